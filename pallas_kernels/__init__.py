@@ -1,0 +1,11 @@
+"""Kernels behind one dispatch point (see api.py)."""
+
+from pallas_kernels.api import (
+    BACKENDS,
+    gathered_index_scores,
+    index_scores,
+    resolve_backend,
+    sparse_attention,
+)
+
+__all__ = ["BACKENDS", "gathered_index_scores", "index_scores", "resolve_backend", "sparse_attention"]

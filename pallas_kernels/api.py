@@ -1,0 +1,52 @@
+"""The one dispatch point for dosa's kernels.
+
+backend: None = best for the platform ("pallas" on GPU, "xla" elsewhere), or one of
+"xla" (plain jnp reference), "pallas" (compiled Pallas kernel), "interpret" (the Pallas
+kernel run by the Pallas interpreter; CPU tests). `indexer` and `model` call kernels only
+through the functions here.
+"""
+
+import jax
+
+from pallas_kernels.gathered_index_scores import gathered_index_scores_reference
+from pallas_kernels.index_scores import index_scores_reference
+from pallas_kernels.sparse_attention import sparse_attention_reference
+
+BACKENDS = ("xla", "pallas", "interpret")
+
+
+def resolve_backend(backend=None):
+    if backend is None:
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be None or one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+def _no_kernel(name, backend):
+    raise NotImplementedError(f"{name}: backend {backend!r} has no kernel yet; use backend='xla'")
+
+
+def index_scores(q, w, k, *, q_offset=0, backend=None):
+    """q [T, H_I, d_I], w [T, H_I], k [L, d_I] -> f32[T, L] (-inf where key j > q_offset + i)."""
+    backend = resolve_backend(backend)
+    if backend == "xla":
+        return index_scores_reference(q, w, k, q_offset=q_offset)
+    _no_kernel("index_scores", backend)
+
+
+def gathered_index_scores(q, w, k, block_table, *, block_size, q_offset=0, backend=None):
+    """Fine-stage scores through a block table; see gathered_index_scores_reference."""
+    backend = resolve_backend(backend)
+    if backend == "xla":
+        return gathered_index_scores_reference(
+            q, w, k, block_table, block_size=block_size, q_offset=q_offset)
+    _no_kernel("gathered_index_scores", backend)
+
+
+def sparse_attention(q, k, v, indices, *, scale=None, backend=None):
+    """q [T, H, D], k [L, H_kv, D], v [L, H_kv, Dv], indices i32[T, K] -> [T, H, Dv]."""
+    backend = resolve_backend(backend)
+    if backend == "xla":
+        return sparse_attention_reference(q, k, v, indices, scale=scale)
+    _no_kernel("sparse_attention", backend)
