@@ -1,0 +1,60 @@
+"""Flat lightning-indexer scoring and top-k selection (pure functions over arrays)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+
+DEFAULT_QUERY_CHUNK = 512
+
+
+def index_scores(q, w, k, *, q_offset=0, backend=None):
+    """I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s]), causal.
+
+    q: [T, H_I, d_I], w: [T, H_I], k: [L, d_I] -> f32[T, L]; query i sits at absolute
+    position q_offset + i, key j at position j; entries with j > q_offset + i are -inf.
+    """
+    return pallas_kernels.index_scores(q, w, k, q_offset=q_offset, backend=backend)
+
+
+def topk_indices(scores, top_k):
+    """Best-first indices of each row's top_k finite scores; -1 where fewer exist.
+
+    scores: f32[T, L] with -inf for invisible keys -> i32[T, top_k].
+    """
+    T, L = scores.shape
+    if top_k > L:
+        scores = jnp.pad(scores, ((0, 0), (0, top_k - L)), constant_values=-jnp.inf)
+    values, idx = jax.lax.top_k(scores, top_k)
+    return jnp.where(jnp.isfinite(values), idx, -1).astype(jnp.int32)
+
+
+def _check_topk(top_k):
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "query_chunk", "backend"))
+def flat_topk(q, w, k, top_k, *, q_offset=0, query_chunk=DEFAULT_QUERY_CHUNK, backend=None):
+    """Exact top_k keys per query by flat index scores -> i32[T, top_k], best first.
+
+    Scores query chunks of `query_chunk` rows at a time, so memory is O(query_chunk * L),
+    never [T, L]. -1 where fewer than top_k keys are visible (s <= q_offset + t).
+    """
+    _check_topk(top_k)
+    T = q.shape[0]
+    chunk = min(query_chunk, T)
+    n_chunks = -(-T // chunk)
+    pad = n_chunks * chunk - T
+    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(n_chunks, chunk, *q.shape[1:])
+    wp = jnp.pad(w, ((0, pad), (0, 0))).reshape(n_chunks, chunk, w.shape[1])
+    starts = q_offset + chunk * jnp.arange(n_chunks)
+
+    def one_chunk(args):
+        qc, wc, start = args
+        return topk_indices(index_scores(qc, wc, k, q_offset=start, backend=backend), top_k)
+
+    out = jax.lax.map(one_chunk, (qp, wp, starts))
+    return out.reshape(n_chunks * chunk, top_k)[:T]

@@ -1,0 +1,73 @@
+"""Grouped-query attention with a dense path and a DSA sparse path, over a KV cache."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import pallas_kernels
+from indexer import flat_topk
+from indexer.rope import apply_rope, rope_angles
+
+
+def dense_causal_attention(q, k, v, *, q_offset=0, scale=None):
+    """q: [T, H, D], k: [L, H_kv, D], v: [L, H_kv, Dv] -> [T, H, Dv].
+
+    Query i at position q_offset + i sees keys j <= q_offset + i. Softmax in fp32.
+    """
+    T, H, D = q.shape
+    L, H_kv, _ = k.shape
+    scale = D**-0.5 if scale is None else scale
+    qg = q.reshape(T, H_kv, H // H_kv, D)
+    logits = jnp.einsum("tgrd,lgd->tgrl", qg, k, preferred_element_type=jnp.float32) * scale
+    visible = jnp.arange(L)[None, :] <= (q_offset + jnp.arange(T))[:, None]
+    logits = jnp.where(visible[:, None, None, :], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("tgrl,lgd->tgrd", probs, v.astype(jnp.float32))
+    return out.reshape(T, H, v.shape[-1]).astype(q.dtype)
+
+
+def select_tokens(config, q_index, w_index, k_index, *, q_offset):
+    """The indexer's top_k selection for queries at q_offset.. -> i32[T, top_k] (-1 padded).
+
+    k_index: [L, d_I], the indexer-key cache up to a length bucket (positions past the
+    queries are masked by causality).
+    """
+    if config.indexer == "flat":
+        return flat_topk(q_index, w_index, k_index, config.top_k, q_offset=q_offset)
+    raise ValueError(f"ModelConfig.indexer {config.indexer!r} is not available in this build; "
+                     "use 'flat'")
+
+
+class Attention(nnx.Module):
+    """GQA projections + RoPE; the attention itself is one of two pure functions."""
+
+    def __init__(self, config, *, rngs, dtype=jnp.float32):
+        c = config
+        init = nnx.initializers.lecun_normal()
+        lin = dict(use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        self.rope_theta, self.rope_scaling = c.rope_theta, c.rope_scaling
+        self.wq = nnx.Linear(c.d_model, c.n_heads * c.head_dim, **lin)
+        self.wk = nnx.Linear(c.d_model, c.n_kv_heads * c.head_dim, **lin)
+        self.wv = nnx.Linear(c.d_model, c.n_kv_heads * c.head_dim, **lin)
+        self.wo = nnx.Linear(c.n_heads * c.head_dim, c.d_model, **lin)
+
+    def project(self, x, positions):
+        """x: [T, d_model] -> q [T, H, D], k [T, H_kv, D], v [T, H_kv, D], RoPE applied."""
+        T = x.shape[0]
+        cos, sin = rope_angles(positions, self.head_dim, theta=self.rope_theta,
+                               scaling=self.rope_scaling)
+        q = apply_rope(self.wq(x).reshape(T, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(self.wk(x).reshape(T, self.n_kv_heads, self.head_dim), cos, sin)
+        v = self.wv(x).reshape(T, self.n_kv_heads, self.head_dim)
+        return q, k, v
+
+    def output(self, attn):
+        return self.wo(attn.reshape(attn.shape[0], -1))
+
+
+def attend(q, k, v, indices, *, q_offset):
+    """Dense causal attention, or sparse attention over `indices` when they are given."""
+    if indices is None:
+        return dense_causal_attention(q, k, v, q_offset=q_offset)
+    return pallas_kernels.sparse_attention(q, k, v, indices)

@@ -1,0 +1,87 @@
+"""Orbax checkpoints that carry the ModelConfig beside the weights."""
+
+import pathlib
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from model.config import ModelConfig
+
+# Fields that fix the weights' shapes or meaning. The rest (attention, indexer, top_k,
+# prefill_chunk, max_seq_len, rope_scaling, dtype) are run-time switches a user may change
+# when loading, e.g. running a densely trained model with sparse attention.
+ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                       "d_ff", "index_heads", "index_dim", "index_rope_dim", "rope_theta",
+                       "norm_eps")
+
+
+def _manager(directory, max_to_keep=None):
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+    return ocp.CheckpointManager(pathlib.Path(directory).resolve(), options=options)
+
+
+def save_checkpoint(directory, model, *, step=0, metadata=None, extra=None, max_to_keep=None):
+    """Saves model weights, its config and JSON metadata (plus an optional `extra` pytree,
+    e.g. optimizer state) as step `step` under `directory`."""
+    items = dict(
+        state=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model, nnx.Param))),
+        config=ocp.args.JsonSave(model.config.to_dict()),
+        metadata=ocp.args.JsonSave(metadata or {}),
+    )
+    if extra is not None:
+        items["extra"] = ocp.args.StandardSave(extra)
+    with _manager(directory, max_to_keep) as mngr:
+        mngr.save(step, args=ocp.args.Composite(**items))
+        mngr.wait_until_finished()
+
+
+def latest_step(directory):
+    with _manager(directory) as mngr:
+        return mngr.latest_step()
+
+
+def read_config(directory, step=None):
+    with _manager(directory) as mngr:
+        step = mngr.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint under {directory}")
+        restored = mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore(),
+                                                             metadata=ocp.args.JsonRestore()))
+    return ModelConfig.from_dict(restored["config"]), dict(restored["metadata"] or {})
+
+
+def check_compatible(stored, requested):
+    diffs = [f"{name}: checkpoint has {getattr(stored, name)!r}, requested "
+             f"{getattr(requested, name)!r}"
+             for name in ARCHITECTURE_FIELDS if getattr(stored, name) != getattr(requested, name)]
+    if diffs:
+        raise ValueError("checkpoint does not match the requested ModelConfig: " + "; ".join(diffs))
+
+
+def restore_checkpoint(directory, config=None, *, step=None, extra_target=None):
+    """-> (Transformer, metadata dict, extra or None).
+
+    config: None uses the stored config; otherwise its architecture fields must equal the
+    stored ones (ValueError naming each differing field) and its run-time switches apply.
+    extra_target: an abstract pytree to restore the `extra` item into (e.g. optimizer state).
+    """
+    from model.transformer import Transformer  # local: checkpoint is imported by model/__init__
+
+    stored, metadata = read_config(directory, step)
+    if config is None:
+        config = stored
+    check_compatible(stored, config)
+    abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          nnx.to_pure_dict(params))
+    items = dict(state=ocp.args.StandardRestore(target))
+    if extra_target is not None:
+        items["extra"] = ocp.args.StandardRestore(extra_target)
+    with _manager(directory) as mngr:
+        step = mngr.latest_step() if step is None else step
+        restored = mngr.restore(step, args=ocp.args.Composite(**items))
+    nnx.replace_by_pure_dict(params, restored["state"])
+    model = nnx.merge(graphdef, params, rest)
+    return model, metadata, restored.get("extra") if extra_target is not None else None

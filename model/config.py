@@ -1,0 +1,107 @@
+"""Model configuration: one frozen, validated dataclass and named presets."""
+
+import dataclasses
+import json
+
+ATTENTION_KINDS = ("dense", "sparse")
+INDEXER_KINDS = ("flat", "hierarchical")
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shapes and switches of a DSA decoder-only transformer.
+
+    Attention is grouped-query (n_heads a multiple of n_kv_heads). Each layer has a
+    lightning indexer (index_heads x index_dim, RoPE on the first index_rope_dim dims,
+    rotate-half layout); with attention="sparse" every query attends to the top_k tokens
+    the indexer selects (shared by all heads of the query).
+    """
+
+    vocab_size: int = 259
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 2
+    head_dim: int = 32
+    d_ff: int = 768
+    max_seq_len: int = 65536
+    rope_theta: float = 10000.0
+    rope_scaling: float = 1.0  # position interpolation factor for contexts longer than training
+    norm_eps: float = 1e-6
+    index_heads: int = 4
+    index_dim: int = 64
+    index_rope_dim: int = 32
+    top_k: int = 256
+    attention: str = "sparse"
+    indexer: str = "flat"
+    prefill_chunk: int = 1024
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                    "d_ff", "max_seq_len", "index_heads", "index_dim", "top_k", "prefill_chunk")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        for name in ("rope_theta", "rope_scaling", "norm_eps"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of "
+                             f"n_kv_heads ({self.n_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+        if not (0 <= self.index_rope_dim <= self.index_dim and self.index_rope_dim % 2 == 0):
+            raise ValueError(f"ModelConfig.index_rope_dim must be even and in [0, index_dim="
+                             f"{self.index_dim}], got {self.index_rope_dim}")
+        if self.vocab_size < 259:
+            raise ValueError(f"ModelConfig.vocab_size must be >= 259 (256 bytes + BOS/EOS/PAD), "
+                             f"got {self.vocab_size}")
+        for name, allowed in (("attention", ATTENTION_KINDS), ("indexer", INDEXER_KINDS),
+                              ("dtype", DTYPES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"ModelConfig.{name} must be one of {allowed}, "
+                                 f"got {getattr(self, name)!r}")
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {unknown}; allowed: {sorted(known)}")
+        return cls(**data)
+
+    def to_json(self):
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+PRESETS = {
+    # Unit tests: a few ms per step.
+    "tiny": ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128,
+                        max_seq_len=4096, index_heads=2, index_dim=16, index_rope_dim=8, top_k=16,
+                        prefill_chunk=64),
+    # CPU experiments.
+    "small": ModelConfig(),
+    # The real DeepSeek-V3.2 shapes (MLA approximated by GQA: 128 heads of 128 + 64 dims) for
+    # shape checks and cost estimates; never instantiated with weights in tests.
+    "deepseek-v3.2": ModelConfig(vocab_size=129280, d_model=7168, n_layers=61, n_heads=128,
+                                 n_kv_heads=128, head_dim=192, d_ff=18432, max_seq_len=163840,
+                                 index_heads=64, index_dim=128, index_rope_dim=64, top_k=2048,
+                                 prefill_chunk=4096, dtype="bfloat16"),
+}
+
+
+def get_config(name, **overrides):
+    """A preset by name, with field overrides (validated)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name].replace(**overrides)

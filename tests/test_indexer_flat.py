@@ -1,0 +1,54 @@
+import numpy as np
+import pytest
+
+import indexer
+from tests.helpers import brute_force_scores, random_indexer_inputs
+
+
+@pytest.mark.parametrize("T,L,q_offset", [(37, 37, 0), (16, 80, 64), (5, 200, 3)])
+def test_index_scores_match_brute_force(T, L, q_offset):
+    q, w, k = random_indexer_inputs(T + L + q_offset, T, L)
+    got = np.asarray(indexer.index_scores(q, w, k, q_offset=q_offset))
+    want = brute_force_scores(q, w, k, q_offset)
+    assert got.shape == (T, L) and got.dtype == np.float32
+    assert np.array_equal(np.isinf(got), np.isinf(want))
+    finite = np.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("T,L,top_k,q_offset,chunk", [
+    (50, 50, 8, 0, 16),      # T not a multiple of the query chunk; early rows see < top_k keys
+    (33, 300, 32, 267, 7),   # a late query chunk (prefill of the tail of a context)
+    (20, 64, 64, 10, 512),   # top_k >= visible everywhere: -1 padding
+    (3, 10, 16, 0, 2),       # top_k > L
+])
+def test_flat_topk_equals_brute_force(T, L, top_k, q_offset, chunk):
+    q, w, k = random_indexer_inputs(7 * T + L, T, L)
+    got = np.asarray(indexer.flat_topk(q, w, k, top_k, q_offset=q_offset, query_chunk=chunk))
+    scores = brute_force_scores(q, w, k, q_offset)
+    assert got.shape == (T, top_k) and got.dtype == np.int32
+    for t in range(T):
+        visible = min(top_k, q_offset + t + 1, L)
+        row = got[t]
+        assert (row[visible:] == -1).all(), "padding must be -1 past the visible count"
+        sel = row[:visible]
+        assert (sel >= 0).all() and len(set(sel.tolist())) == visible
+        assert (sel <= q_offset + t).all(), "selected a future token"
+        # Same set up to ties: the selected scores are exactly the top `visible` scores.
+        want_vals = np.sort(scores[t])[::-1][:visible]
+        np.testing.assert_allclose(np.sort(scores[t, sel])[::-1], want_vals, rtol=1e-4, atol=1e-4)
+        # Best first.
+        assert np.all(np.diff(scores[t, sel]) <= 1e-4)
+
+
+def test_flat_topk_rejects_bad_top_k():
+    q, w, k = random_indexer_inputs(0, 4, 4)
+    with pytest.raises(ValueError, match="top_k"):
+        indexer.flat_topk(q, w, k, 0)
+
+
+def test_recall_and_iou_on_hand_made_example():
+    ref = np.array([[0, 1, 2, 3], [4, 5, -1, -1]])
+    sel = np.array([[0, 1, 9, 8], [5, 4, 7, -1]])
+    assert indexer.recall(sel, ref) == pytest.approx((2 / 4 + 2 / 2) / 2)
+    assert indexer.iou(sel, ref) == pytest.approx((2 / 6 + 2 / 3) / 2)
