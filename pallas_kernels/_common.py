@@ -9,6 +9,7 @@ Triton-backend facts these helpers encode (DESIGN.md section 5):
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas import triton as plgpu
 
 # Smallest tile edge that `pl.dot` (tl.dot) accepts.
 MIN_DOT_DIM = 16
@@ -72,26 +73,38 @@ def dot_nn(a, b):
                            preferred_element_type=jnp.float32)
 
 
-def weighted_relu_scores(q_ref, w_ref, k, num_heads: int):
+def weighted_relu_scores(q_ref, w_ref, keys, num_heads: int):
     """sum_h w[:, h] * ReLU(q[:, h, :] . k^T) for one tile, fp32 accumulation.
 
     q_ref: ref [bq, H, D] (input dtype), w_ref: ref [H, bq] f32 (head-major so each head's
-    weights are one contiguous row), k: value [bk, D]. Returns f32[bq, bk].
+    weights are one contiguous row), keys: a list of key tiles (values [bk_i, D]; several
+    when the tile is assembled from separate key blocks). Returns a list of f32[bq, bk_i].
 
     Loops over heads instead of loading the whole [bq, H, D] query tile: with V3.2 shapes
     (64 queries x 64 heads x 128 dims, bf16) that tile is 1 MiB, far beyond shared memory;
-    one head's [bq, D] slice is 16 KiB and the key tile stays resident across heads.
+    one head's [bq, D] slice is 16 KiB, and the key tiles stay resident across heads.
     """
     bq = q_ref.shape[0]
-    bk = k.shape[0]
 
-    def body(h, acc):
+    def body(h, accs):
         qh = q_ref[:, h, :]  # [bq, D]
-        logits = dot_t(qh, k)  # [bq, bk] f32
-        wh = w_ref[h, :]  # [bq] f32
-        return acc + jnp.maximum(logits, 0.0) * wh[:, None]
+        wh = w_ref[h, :][:, None]  # [bq, 1] f32
+        return tuple(acc + jnp.maximum(dot_t(qh, k), 0.0) * wh for acc, k in zip(accs, keys))
 
-    return lax.fori_loop(0, num_heads, body, jnp.zeros((bq, bk), jnp.float32))
+    init = tuple(jnp.zeros((bq, k.shape[0]), jnp.float32) for k in keys)
+    return list(lax.fori_loop(0, num_heads, body, init))
+
+
+def compiler_params(num_warps: int, num_stages: int, interpret):
+    """Triton launch parameters, given explicitly so a GPU pallas_call takes the Triton
+    backend (A100 and Hopper) rather than Mosaic GPU (Hopper only).
+
+    None under the TPU interpreter (`interpret` = `pltpu.InterpretParams()`), which accepts
+    only Mosaic TPU parameters; the plain interpreter (`interpret=True`) ignores them.
+    """
+    if isinstance(interpret, bool):
+        return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return None
 
 
 def neg_inf(shape):

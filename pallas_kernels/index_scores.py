@@ -18,10 +18,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels._common import (
-    as_offset_array, check_pow2, dot_dim, neg_inf, pad_axis, round_up, tile_size,
+    as_offset_array, check_pow2, compiler_params, dot_dim, neg_inf, pad_axis, round_up,
+    tile_size,
     weighted_relu_scores,
 )
 
@@ -80,7 +80,7 @@ def _index_scores_kernel(off_ref, q_ref, w_ref, k_ref, *rest, num_heads, key_blo
     j = pl.program_id(0)  # key tile: fastest-varying, so concurrent programs share q in L2
     i = pl.program_id(1)  # query tile
     if not causal:
-        o_ref[...] = weighted_relu_scores(q_ref, w_ref, k_ref[...], num_heads)
+        o_ref[...] = weighted_relu_scores(q_ref, w_ref, [k_ref[...]], num_heads)[0]
         return
 
     q_first = off_ref[0] + i * bq
@@ -90,7 +90,7 @@ def _index_scores_kernel(off_ref, q_ref, w_ref, k_ref, *rest, num_heads, key_blo
 
     @pl.when(needed)
     def _compute():
-        scores = weighted_relu_scores(q_ref, w_ref, k_ref[...], num_heads)
+        [scores] = weighted_relu_scores(q_ref, w_ref, [k_ref[...]], num_heads)
         q_pos = q_first + jnp.arange(bq, dtype=jnp.int32)
         k_pos = k_first + key_block_size * jnp.arange(bk, dtype=jnp.int32)
         o_ref[...] = jnp.where(k_pos[None, :] <= q_pos[:, None], scores, -jnp.inf)
@@ -157,8 +157,7 @@ def index_scores_pallas(q, w, k, q_offset=0, *, key_block_size=1, causal=True,
         out_specs=out_spec,
         out_shape=jax.ShapeDtypeStruct((Tp, Lp), jnp.float32),
         input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(
-            num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=compiler_params(config.num_warps, config.num_stages, interpret),
         interpret=interpret,
         name="index_scores",
     )(*args)

@@ -1,10 +1,23 @@
 """Attention over each query's selected tokens (DSA main attention).
 
-Reference in plain jnp; the Pallas kernel slots in beside it.
+`sparse_attention_reference` is plain jnp; `sparse_attention_pallas` is the Triton-backend
+Pallas kernel: one program per (query, kv head) holds the query rows of every head that
+shares that kv head (the selection is shared across heads, so one gather serves them all),
+walks the query's index list in chunks of `block_k`, gathers the selected K and V rows and
+runs a flash-style online softmax with fp32 statistics and accumulator. -1 entries are
+masked out; a chunk with no valid entry is skipped; a query with none returns zeros.
 """
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import (
+    check_pow2, compiler_params, dot_dim, dot_nn, dot_t, pad_axis, round_up)
 
 
 def sparse_attention_reference(q, k, v, indices, *, scale=None):
@@ -33,3 +46,134 @@ def sparse_attention_reference(q, k, v, indices, *, scale=None):
     out = jnp.einsum("tgrk,tkgd->tgrd", p, v_sel.astype(jnp.float32))
     out = out / jnp.where(denom > 0, denom, 1.0)
     return out.reshape(T, H, v.shape[-1]).astype(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SparseAttentionConfig:
+    """Chunk size and Triton launch parameters of the sparse-attention kernel.
+
+    block_k: selected tokens gathered per step (power of two >= 16). Shared memory per
+      stage is about block_k * (D + Dv) * itemsize (32 KiB at 64 x (128 + 128) bf16).
+    num_warps, num_stages: Triton launch parameters.
+    """
+
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        check_pow2("block_k", self.block_k)
+
+
+DEFAULT_CONFIG = SparseAttentionConfig()
+
+
+def _sparse_attention_kernel(q_ref, idx_ref, k_ref, v_ref, *rest, scale, key_len, block_k):
+    """One (query t, kv head g) program.
+
+    q_ref [G, D] (the G query heads reading kv head g, padded to >= 16 rows);
+    idx_ref i32[K] (this query's selection, padded with -1 to a multiple of block_k);
+    k_ref [L, D], v_ref [L, Dv] (kv head g; rows are gathered); rest: (optional aliased
+    poison input, unused), o_ref [G, Dv].
+    """
+    o_ref = rest[-1]
+    G, Dv = o_ref.shape
+    n_chunks = idx_ref.shape[0] // block_k
+    q = q_ref[...]  # [G, D], loaded once, reused for every chunk
+
+    def body(c, carry):
+        idx = idx_ref[pl.ds(c * block_k, block_k)]
+        valid = idx >= 0
+        # Clamped gather: in range whatever the index holds (jnp's gather clamps too, so
+        # the reference agrees); -1 entries are masked out of the softmax below.
+        safe = jnp.clip(idx, 0, key_len - 1)
+
+        def step(carry):
+            acc, m_prev, l_prev = carry
+            k = k_ref[safe, :]  # [block_k, D]
+            s = dot_t(q, k) * scale  # [G, block_k] f32
+            s = jnp.where(valid[None, :], s, -jnp.inf)
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            # Rows that have seen no valid entry yet keep m = -inf; subtract 0 there so
+            # exp() gives 0 instead of NaN.
+            m_sub = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            alpha = jnp.exp(m_prev - m_sub)
+            p = jnp.exp(s - m_sub[:, None])
+            v = v_ref[safe, :]  # [block_k, Dv]
+            acc = acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v)
+            return acc, m_new, l_prev * alpha + jnp.sum(p, axis=1)
+
+        # A chunk of nothing but -1 (padding, short rows) costs no gather and no matmul.
+        any_valid = jnp.max(jnp.where(valid, 1, 0)) > 0
+        return lax.cond(any_valid, step, lambda carry: carry, carry)
+
+    init = (jnp.zeros((G, Dv), jnp.float32),
+            jnp.full((G,), -jnp.inf, jnp.float32),
+            jnp.zeros((G,), jnp.float32))
+    acc, _, l = lax.fori_loop(0, n_chunks, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("scale", "config", "interpret", "poison"))
+def sparse_attention_pallas(q, k, v, indices, *, scale=None,
+                            config: SparseAttentionConfig = DEFAULT_CONFIG,
+                            interpret=False, poison=None):
+    """Pallas version of `sparse_attention_reference` (same arguments and result).
+
+    q: [T, H, D], k: [L, H_kv, D], v: [L, H_kv, Dv], indices: i32[T, K] -> [T, H, Dv] in
+    q's dtype. interpret / poison: as in `index_scores_pallas`.
+    """
+    T, H, D = q.shape
+    L, H_kv, Dk = k.shape
+    Dv = v.shape[-1]
+    if H % H_kv:
+        raise ValueError(f"number of query heads H={H} must be a multiple of H_kv={H_kv}")
+    if Dk != D or v.shape[:2] != (L, H_kv) or indices.shape[0] != T:
+        raise ValueError(f"shape mismatch: q {q.shape}, k {k.shape}, v {v.shape}, "
+                         f"indices {indices.shape}")
+    scale = D**-0.5 if scale is None else scale
+    K = indices.shape[1]
+    if T == 0 or L == 0 or K == 0:
+        return jnp.zeros((T, H, Dv), q.dtype)
+    G = H // H_kv
+    Gp, Dp, Dvp = dot_dim(G), dot_dim(D), dot_dim(Dv)
+    bk = max(16, min(config.block_k, dot_dim(K)))
+    Kp = round_up(K, bk)
+    dtype = jnp.promote_types(q.dtype, k.dtype)
+
+    qp = pad_axis(pad_axis(q.astype(dtype).reshape(T, H_kv, G, D), 2, Gp), 3, Dp)
+    kp = pad_axis(k.astype(dtype), 2, Dp)
+    vp = pad_axis(v.astype(dtype), 2, Dvp)
+    ip = pad_axis(indices.astype(jnp.int32), 1, Kp, value=-1)
+    out_dtype = q.dtype
+
+    args = [qp, ip, kp, vp]
+    in_specs = [
+        pl.BlockSpec((None, None, Gp, Dp), lambda t, g: (t, g, 0, 0)),
+        pl.BlockSpec((None, Kp), lambda t, g: (t, 0)),
+        pl.BlockSpec((L, None, Dp), lambda t, g: (0, g, 0)),
+        pl.BlockSpec((L, None, Dvp), lambda t, g: (0, g, 0)),
+    ]
+    out_spec = pl.BlockSpec((None, None, Gp, Dvp), lambda t, g: (t, g, 0, 0))
+    aliases = {}
+    if poison is not None:
+        args.append(jnp.full((T, H_kv, Gp, Dvp), poison, out_dtype))
+        in_specs.append(out_spec)
+        aliases = {len(args) - 1: 0}
+
+    kernel = functools.partial(_sparse_attention_kernel, scale=float(scale), key_len=L,
+                               block_k=bk)
+    out = pl.pallas_call(
+        kernel,
+        grid=(T, H_kv),
+        in_specs=in_specs,
+        out_specs=out_spec,
+        out_shape=jax.ShapeDtypeStruct((T, H_kv, Gp, Dvp), out_dtype),
+        input_output_aliases=aliases,
+        compiler_params=compiler_params(config.num_warps, config.num_stages, interpret),
+        interpret=interpret,
+        name="sparse_attention",
+    )(*args)
+    return out[:, :, :G, :Dv].reshape(T, H, Dv)

@@ -1,0 +1,1 @@
+"""Experiments: the main job, benchmarks, training and evaluation."""

@@ -1,0 +1,68 @@
+"""Helpers shared by experiment scripts: compile cache, timing, text samples, result files."""
+
+import json
+import os
+import pathlib
+import statistics
+import sys
+import sysconfig
+import time
+
+import jax
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "results"
+
+
+def enable_compile_cache():
+    cache = os.environ.get("JAX_COMPILATION_CACHE_DIR", str(REPO_ROOT / ".jax_cache"))
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+
+
+def block(x):
+    return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+
+
+def time_call(fn, *, repeats=3, warmup=1):
+    """Median wall seconds of fn() over `repeats` runs after `warmup` runs (compile excluded)."""
+    for _ in range(warmup):
+        block(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        block(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def stdlib_text(n_bytes, *, skip_bytes=0):
+    """At least n_bytes of real text: the running Python's standard-library sources, sorted
+    by path (exists on every machine; no download)."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        data = path.read_bytes()
+        if skip_bytes >= len(data):
+            skip_bytes -= len(data)
+            continue
+        data, skip_bytes = data[skip_bytes:], 0
+        chunks.append(data)
+        total += len(data)
+        if total >= n_bytes:
+            break
+    return b"".join(chunks)[:n_bytes].decode("utf-8", errors="replace")
+
+
+def machine_description():
+    devices = jax.devices()
+    return {"platform": devices[0].platform, "device_kind": devices[0].device_kind,
+            "device_count": len(devices), "cpu_count": os.cpu_count(),
+            "jax": jax.__version__, "python": sys.version.split()[0]}
+
+
+def write_json(name, payload):
+    RESULTS_DIR.mkdir(exist_ok=True)
+    path = RESULTS_DIR / name
+    path.write_text(json.dumps(payload, indent=2))
+    return path
