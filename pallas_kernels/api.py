@@ -8,9 +8,10 @@ through the functions here.
 
 import jax
 
-from pallas_kernels.gathered_index_scores import gathered_index_scores_reference
-from pallas_kernels.index_scores import index_scores_reference
-from pallas_kernels.sparse_attention import sparse_attention_reference
+from pallas_kernels.gathered_index_scores import (
+    gathered_index_scores_pallas, gathered_index_scores_reference)
+from pallas_kernels.index_scores import index_scores_pallas, index_scores_reference
+from pallas_kernels.sparse_attention import sparse_attention_pallas, sparse_attention_reference
 
 BACKENDS = ("xla", "pallas", "interpret")
 
@@ -23,25 +24,38 @@ def resolve_backend(backend=None):
     return backend
 
 
-def _no_kernel(name, backend):
-    raise NotImplementedError(f"{name}: backend {backend!r} has no kernel yet; use backend='xla'")
+def _interpret(backend):
+    """The kernels' `interpret` argument for a resolved non-xla backend."""
+    return backend == "interpret"
 
 
-def index_scores(q, w, k, *, q_offset=0, backend=None):
-    """q [T, H_I, d_I], w [T, H_I], k [L, d_I] -> f32[T, L] (-inf where key j > q_offset + i)."""
+def index_scores(q, w, k, *, q_offset=0, key_block_size=1, causal=True, backend=None):
+    """q [T, H_I, d_I], w [T, H_I], k [L, d_I] -> f32[T, L] (-inf where key j > q_offset + i).
+
+    q_offset may be a traced int32 scalar (chunked prefill). Coarse scoring on block
+    summaries: key_block_size=B makes key j stand for tokens [j*B, (j+1)*B), visible iff
+    j*B <= q_offset + i; causal=False masks nothing. See pallas_kernels.index_scores.
+    """
     backend = resolve_backend(backend)
     if backend == "xla":
-        return index_scores_reference(q, w, k, q_offset=q_offset)
-    _no_kernel("index_scores", backend)
+        return index_scores_reference(q, w, k, q_offset=q_offset,
+                                      key_block_size=key_block_size, causal=causal)
+    return index_scores_pallas(q, w, k, q_offset, key_block_size=key_block_size,
+                               causal=causal, interpret=_interpret(backend))
 
 
 def gathered_index_scores(q, w, k, block_table, *, block_size, q_offset=0, backend=None):
-    """Fine-stage scores through a block table; see gathered_index_scores_reference."""
+    """Fine-stage scores through a block table; see gathered_index_scores_reference.
+
+    The Pallas backends need a power-of-two block_size.
+    """
     backend = resolve_backend(backend)
     if backend == "xla":
         return gathered_index_scores_reference(
             q, w, k, block_table, block_size=block_size, q_offset=q_offset)
-    _no_kernel("gathered_index_scores", backend)
+    return gathered_index_scores_pallas(q, w, k, block_table, q_offset,
+                                        block_size=block_size,
+                                        interpret=_interpret(backend))
 
 
 def sparse_attention(q, k, v, indices, *, scale=None, backend=None):
@@ -49,4 +63,5 @@ def sparse_attention(q, k, v, indices, *, scale=None, backend=None):
     backend = resolve_backend(backend)
     if backend == "xla":
         return sparse_attention_reference(q, k, v, indices, scale=scale)
-    _no_kernel("sparse_attention", backend)
+    return sparse_attention_pallas(q, k, v, indices, scale=scale,
+                                   interpret=_interpret(backend))

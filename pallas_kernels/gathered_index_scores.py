@@ -68,8 +68,8 @@ class GatheredScoresConfig:
 
     block_q: int = 64
     block_k: int = 128
-    num_warps: int = 4
-    num_stages: int = 2
+    num_warps: int = 8  # fastest of the tried configs on an H200 (pallas_kernels/bench.py)
+    num_stages: int = 3
 
     def __post_init__(self):
         check_pow2("block_q", self.block_q)

@@ -1,11 +1,13 @@
 """Attention over each query's selected tokens (DSA main attention).
 
 `sparse_attention_reference` is plain jnp; `sparse_attention_pallas` is the Triton-backend
-Pallas kernel: one program per (query, kv head) holds the query rows of every head that
-shares that kv head (the selection is shared across heads, so one gather serves them all),
+Pallas kernel: one program per (query, kv head) holds the query rows of the heads that
+share that kv head (up to block_h of them; the selection is shared across heads, so one
+gather serves them all),
 walks the query's index list in chunks of `block_k`, gathers the selected K and V rows and
 runs a flash-style online softmax with fp32 statistics and accumulator. -1 entries are
-masked out; a chunk with no valid entry is skipped; a query with none returns zeros.
+masked out; each query's loop stops after its last valid entry; a query with none returns
+zeros.
 """
 
 import dataclasses
@@ -50,36 +52,50 @@ def sparse_attention_reference(q, k, v, indices, *, scale=None):
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SparseAttentionConfig:
-    """Chunk size and Triton launch parameters of the sparse-attention kernel.
+    """Chunk sizes and Triton launch parameters of the sparse-attention kernel.
 
     block_k: selected tokens gathered per step (power of two >= 16). Shared memory per
-      stage is about block_k * (D + Dv) * itemsize (32 KiB at 64 x (128 + 128) bf16).
+      stage is about block_k * (D + Dv) * itemsize (64 KiB at 128 x (128 + 128) bf16).
+    block_h: query heads per program (power of two >= 16). A kv head's group of
+      G = H // H_kv query heads is split into programs of block_h heads (each re-gathers
+      the same rows, from L2), which bounds the [block_h, D] query tile and the
+      [block_h, Dv] f32 accumulator for MQA-style groups of 64-128 heads.
+    skip_empty_chunks: also skip, inside the loop, any chunk whose entries are all -1 (a
+      branch per chunk, which can keep Triton from pipelining the gathers). Without it
+      only the trailing all -1 chunks are skipped: each query's loop ends at its last
+      valid entry, which the wrapper finds (selectors put their -1 padding last).
     num_warps, num_stages: Triton launch parameters.
     """
 
-    block_k: int = 64
-    num_warps: int = 4
+    # block_k=128 with 8 warps, 2 stages: fastest tried on an H200 (bench.py tune section;
+    # skip_empty_chunks=True measured 2x slower there).
+    block_k: int = 128
+    block_h: int = 64
+    num_warps: int = 8
     num_stages: int = 2
+    skip_empty_chunks: bool = False
 
     def __post_init__(self):
         check_pow2("block_k", self.block_k)
+        check_pow2("block_h", self.block_h)
 
 
 DEFAULT_CONFIG = SparseAttentionConfig()
 
 
-def _sparse_attention_kernel(q_ref, idx_ref, k_ref, v_ref, *rest, scale, key_len, block_k):
-    """One (query t, kv head g) program.
+def _sparse_attention_kernel(cnt_ref, q_ref, idx_ref, k_ref, v_ref, *rest, scale, key_len,
+                             block_k, skip_empty_chunks):
+    """One (query t, kv head g, head block) program.
 
-    q_ref [G, D] (the G query heads reading kv head g, padded to >= 16 rows);
+    cnt_ref i32[1]: chunks of block_k entries up to this query's last valid one;
+    q_ref [bh, D] (bh of the query heads reading kv head g; padded to >= 16 rows);
     idx_ref i32[K] (this query's selection, padded with -1 to a multiple of block_k);
     k_ref [L, D], v_ref [L, Dv] (kv head g; rows are gathered); rest: (optional aliased
-    poison input, unused), o_ref [G, Dv].
+    poison input, unused), o_ref [bh, Dv].
     """
     o_ref = rest[-1]
-    G, Dv = o_ref.shape
-    n_chunks = idx_ref.shape[0] // block_k
-    q = q_ref[...]  # [G, D], loaded once, reused for every chunk
+    bh, Dv = o_ref.shape
+    q = q_ref[...]  # [bh, D], loaded once, reused for every chunk
 
     def body(c, carry):
         idx = idx_ref[pl.ds(c * block_k, block_k)]
@@ -91,7 +107,7 @@ def _sparse_attention_kernel(q_ref, idx_ref, k_ref, v_ref, *rest, scale, key_len
         def step(carry):
             acc, m_prev, l_prev = carry
             k = k_ref[safe, :]  # [block_k, D]
-            s = dot_t(q, k) * scale  # [G, block_k] f32
+            s = dot_t(q, k) * scale  # [bh, block_k] f32
             s = jnp.where(valid[None, :], s, -jnp.inf)
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
             # Rows that have seen no valid entry yet keep m = -inf; subtract 0 there so
@@ -103,15 +119,17 @@ def _sparse_attention_kernel(q_ref, idx_ref, k_ref, v_ref, *rest, scale, key_len
             acc = acc * alpha[:, None] + dot_nn(p.astype(v.dtype), v)
             return acc, m_new, l_prev * alpha + jnp.sum(p, axis=1)
 
-        # A chunk of nothing but -1 (padding, short rows) costs no gather and no matmul.
+        if not skip_empty_chunks:
+            return step(carry)
         any_valid = jnp.max(jnp.where(valid, 1, 0)) > 0
         return lax.cond(any_valid, step, lambda carry: carry, carry)
 
-    init = (jnp.zeros((G, Dv), jnp.float32),
-            jnp.full((G,), -jnp.inf, jnp.float32),
-            jnp.zeros((G,), jnp.float32))
-    acc, _, l = lax.fori_loop(0, n_chunks, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    init = (jnp.zeros((bh, Dv), jnp.float32),
+            jnp.full((bh,), -jnp.inf, jnp.float32),
+            jnp.zeros((bh,), jnp.float32))
+    # Dynamic trip count: a query with 100 selected tokens does 2 chunks, not K / block_k.
+    acc, _, l = lax.fori_loop(0, cnt_ref[0], body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # no valid entry at all -> zeros
     o_ref[...] = out.astype(o_ref.dtype)
 
 
@@ -139,6 +157,7 @@ def sparse_attention_pallas(q, k, v, indices, *, scale=None,
         return jnp.zeros((T, H, Dv), q.dtype)
     G = H // H_kv
     Gp, Dp, Dvp = dot_dim(G), dot_dim(D), dot_dim(Dv)
+    bh = max(16, min(config.block_h, Gp))
     bk = max(16, min(config.block_k, dot_dim(K)))
     Kp = round_up(K, bk)
     dtype = jnp.promote_types(q.dtype, k.dtype)
@@ -148,15 +167,19 @@ def sparse_attention_pallas(q, k, v, indices, *, scale=None,
     vp = pad_axis(v.astype(dtype), 2, Dvp)
     ip = pad_axis(indices.astype(jnp.int32), 1, Kp, value=-1)
     out_dtype = q.dtype
+    # Chunks up to each query's last valid entry (0 for a row of -1).
+    last = jnp.max(jnp.where(ip >= 0, jnp.arange(1, Kp + 1, dtype=jnp.int32), 0), axis=1)
+    counts = (last + bk - 1) // bk
 
-    args = [qp, ip, kp, vp]
+    args = [counts, qp, ip, kp, vp]
     in_specs = [
-        pl.BlockSpec((None, None, Gp, Dp), lambda t, g: (t, g, 0, 0)),
-        pl.BlockSpec((None, Kp), lambda t, g: (t, 0)),
-        pl.BlockSpec((L, None, Dp), lambda t, g: (0, g, 0)),
-        pl.BlockSpec((L, None, Dvp), lambda t, g: (0, g, 0)),
+        pl.BlockSpec((1,), lambda t, g, b: (t,)),
+        pl.BlockSpec((None, None, bh, Dp), lambda t, g, b: (t, g, b, 0)),
+        pl.BlockSpec((None, Kp), lambda t, g, b: (t, 0)),
+        pl.BlockSpec((L, None, Dp), lambda t, g, b: (0, g, 0)),
+        pl.BlockSpec((L, None, Dvp), lambda t, g, b: (0, g, 0)),
     ]
-    out_spec = pl.BlockSpec((None, None, Gp, Dvp), lambda t, g: (t, g, 0, 0))
+    out_spec = pl.BlockSpec((None, None, bh, Dvp), lambda t, g, b: (t, g, b, 0))
     aliases = {}
     if poison is not None:
         args.append(jnp.full((T, H_kv, Gp, Dvp), poison, out_dtype))
@@ -164,10 +187,10 @@ def sparse_attention_pallas(q, k, v, indices, *, scale=None,
         aliases = {len(args) - 1: 0}
 
     kernel = functools.partial(_sparse_attention_kernel, scale=float(scale), key_len=L,
-                               block_k=bk)
+                               block_k=bk, skip_empty_chunks=config.skip_empty_chunks)
     out = pl.pallas_call(
         kernel,
-        grid=(T, H_kv),
+        grid=(T, H_kv, Gp // bh),
         in_specs=in_specs,
         out_specs=out_spec,
         out_shape=jax.ShapeDtypeStruct((T, H_kv, Gp, Dvp), out_dtype),
