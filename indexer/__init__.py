@@ -1,7 +1,16 @@
-"""The lightning indexer: module, scoring, top-k selection, selection metrics."""
+"""The lightning indexer: module, scoring, flat and hierarchical top-k selection, metrics."""
 
+from indexer.block_summaries import BlockSummaryCache, append, block_summaries, empty_summaries
+from indexer.config import HierarchicalConfig
+from indexer.hierarchical import (
+    coarse_block_scores, fine_topk, hierarchical_topk, hierarchical_topk_with_stats,
+    select_candidate_blocks,
+)
 from indexer.metrics import iou, recall
 from indexer.module import LightningIndexer
 from indexer.scoring import flat_topk, index_scores, topk_indices
 
-__all__ = ["LightningIndexer", "flat_topk", "index_scores", "iou", "recall", "topk_indices"]
+__all__ = ["BlockSummaryCache", "HierarchicalConfig", "LightningIndexer", "append",
+           "block_summaries", "coarse_block_scores", "empty_summaries", "fine_topk", "flat_topk",
+           "hierarchical_topk", "hierarchical_topk_with_stats", "index_scores", "iou", "recall",
+           "select_candidate_blocks", "topk_indices"]

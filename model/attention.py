@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
-from indexer import flat_topk
+from indexer import flat_topk, hierarchical_topk
 from indexer.rope import apply_rope, rope_angles
 
 
@@ -26,16 +26,22 @@ def dense_causal_attention(q, k, v, *, q_offset=0, scale=None):
     return out.reshape(T, H, v.shape[-1]).astype(q.dtype)
 
 
-def select_tokens(config, q_index, w_index, k_index, *, q_offset):
+def select_tokens(config, q_index, w_index, k_index, *, q_offset, summaries=None):
     """The indexer's top_k selection for queries at q_offset.. -> i32[T, top_k] (-1 padded).
 
     k_index: [L, d_I], the indexer-key cache up to a length bucket (positions past the
-    queries are masked by causality).
+    queries are masked by causality). config.indexer: "flat" (exact, O(T * L)) or
+    "hierarchical" (coarse-to-fine with config.hierarchical; summaries: the cache's
+    BlockSummaryCache of k_index, at least ceil(L / block_size) blocks, or None to build
+    them from k_index).
     """
     if config.indexer == "flat":
         return flat_topk(q_index, w_index, k_index, config.top_k, q_offset=q_offset)
-    raise ValueError(f"ModelConfig.indexer {config.indexer!r} is not available in this build; "
-                     "use 'flat'")
+    if config.indexer == "hierarchical":
+        return hierarchical_topk(q_index, w_index, k_index, config.top_k, config.hierarchical,
+                                 q_offset=q_offset, summaries=summaries)
+    raise ValueError(f"ModelConfig.indexer must be 'flat' or 'hierarchical', "
+                     f"got {config.indexer!r}")
 
 
 class Attention(nnx.Module):

@@ -3,6 +3,8 @@
 import dataclasses
 import json
 
+from indexer.config import HierarchicalConfig
+
 ATTENTION_KINDS = ("dense", "sparse")
 INDEXER_KINDS = ("flat", "hierarchical")
 DTYPES = ("float32", "bfloat16")
@@ -15,7 +17,9 @@ class ModelConfig:
     Attention is grouped-query (n_heads a multiple of n_kv_heads). Each layer has a
     lightning indexer (index_heads x index_dim, RoPE on the first index_rope_dim dims,
     rotate-half layout); with attention="sparse" every query attends to the top_k tokens
-    the indexer selects (shared by all heads of the query).
+    the indexer selects (shared by all heads of the query). indexer="hierarchical" selects
+    them coarse-to-fine with the knobs in `hierarchical` (a HierarchicalConfig; a dict is
+    converted).
     """
 
     vocab_size: int = 259
@@ -37,8 +41,15 @@ class ModelConfig:
     indexer: str = "flat"
     prefill_chunk: int = 1024
     dtype: str = "float32"
+    hierarchical: HierarchicalConfig = HierarchicalConfig()
 
     def __post_init__(self):
+        if isinstance(self.hierarchical, dict):
+            object.__setattr__(self, "hierarchical",
+                               HierarchicalConfig.from_dict(self.hierarchical))
+        if not isinstance(self.hierarchical, HierarchicalConfig):
+            raise ValueError(f"ModelConfig.hierarchical must be a HierarchicalConfig or a dict, "
+                             f"got {type(self.hierarchical).__name__}")
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                     "d_ff", "max_seq_len", "index_heads", "index_dim", "top_k", "prefill_chunk")
         for name in positive:
@@ -65,11 +76,16 @@ class ModelConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.{name} must be one of {allowed}, "
                                  f"got {getattr(self, name)!r}")
+        budget = self.hierarchical.candidate_tokens
+        if self.indexer == "hierarchical" and budget is not None and budget < self.top_k:
+            raise ValueError(f"ModelConfig.hierarchical.candidate_tokens must be >= top_k "
+                             f"({self.top_k}), got {budget}")
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
 
     def to_dict(self):
+        """Plain JSON-able dict; `hierarchical` becomes a nested dict."""
         return dataclasses.asdict(self)
 
     @classmethod
@@ -88,7 +104,11 @@ PRESETS = {
     # Unit tests: a few ms per step.
     "tiny": ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128,
                         max_seq_len=4096, index_heads=2, index_dim=16, index_rope_dim=8, top_k=16,
-                        prefill_chunk=64),
+                        prefill_chunk=64,
+                        hierarchical=HierarchicalConfig(block_size=8, candidate_tokens=32,
+                                                        query_tile=4, fine_batch_size=32,
+                                                        tile_candidate_tokens=128,
+                                                        bound_blocks=1)),
     # CPU experiments.
     "small": ModelConfig(),
     # The real DeepSeek-V3.2 shapes (MLA approximated by GQA: 128 heads of 128 + 64 dims) for
@@ -96,7 +116,9 @@ PRESETS = {
     "deepseek-v3.2": ModelConfig(vocab_size=129280, d_model=7168, n_layers=61, n_heads=128,
                                  n_kv_heads=128, head_dim=192, d_ff=18432, max_seq_len=163840,
                                  index_heads=64, index_dim=128, index_rope_dim=64, top_k=2048,
-                                 prefill_chunk=4096, dtype="bfloat16"),
+                                 prefill_chunk=4096, dtype="bfloat16",
+                                 hierarchical=HierarchicalConfig(candidate_tokens=8192,
+                                                                 fine_batch_size=4096)),
 }
 
 

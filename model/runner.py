@@ -31,7 +31,8 @@ class ModelRunner:
 
         def step(state, tokens, cache, start, kv_len, logit_index):
             model = nnx.merge(self.graphdef, state)
-            logits, cache = model(tokens, cache, start, kv_len)
+            # Rows past logit_index are padding: kept out of the block summaries.
+            logits, cache = model(tokens, cache, start, kv_len, n_valid=logit_index + 1)
             return logits[logit_index], cache
 
         self._step = jax.jit(step, static_argnames=("kv_len",), donate_argnames=("cache",))

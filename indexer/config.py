@@ -1,0 +1,131 @@
+"""Configuration of the hierarchical (coarse-to-fine) lightning indexer.
+
+Knob names follow the reference deployment where it has one: `block_size`, the candidate
+budget (`candidate_tokens`, or `coarse_keep_ratio`, which the reference calls
+COARSE_THRESHOLD), `fine_batch_size` (queries scored per fine step).
+"""
+
+import dataclasses
+import math
+
+HEAD_SELECT_KINDS = ("max_abs_weight", "first")
+_INT_MAX = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class HierarchicalConfig:
+    """Knobs of `indexer.hierarchical_topk` (frozen, validated on construction).
+
+    Defaults are tuned for the `small` indexer (H_I=4, d_I=64, top_k=256) on a 2-core CPU
+    (experiments/bench_indexer.py): a budget of 5.5 x top_k tokens (22 blocks: sink, local,
+    16 by pooled mean, 4 by spread), tiles of 16 queries, 128 queries per fine step
+    (smaller steps stay in cache here; the reference deployment uses 1024 on GPUs).
+
+    block_size: tokens per key block (the unit of block summaries and candidates).
+    candidate_tokens: candidate budget per query in tokens (rounded up to whole blocks);
+      sink, local and bound blocks count against it. Must be >= top_k at call time.
+    coarse_keep_ratio: alternative budget, the fraction of the blocks visible to the query
+      (the reference's COARSE_THRESHOLD, 0.8 there). Set candidate_tokens=None to use it.
+    fine_batch_size: queries scored per fine step (one step of a sequential lax.map), which
+      bounds memory: O(fine_batch_size * (L / block_size + candidate tokens)).
+    sink_blocks: leading blocks always selected (attention sinks).
+    local_blocks: most recent blocks always selected, counted back from the block holding
+      each query (1 = the query's own block).
+    coarse_heads: score blocks with only this many indexer heads (None = all), chosen per
+      query by `coarse_head_select`: "max_abs_weight" (largest |w|) or "first".
+    query_tile: consecutive queries whose candidate blocks are merged into one block table,
+      so the fine stage is one dense [query_tile * H_I, d_I] x [d_I, table tokens] product
+      per tile (1 = one table per query: a gather per query).
+    tile_candidate_tokens: size of a tile's table in tokens (None = 2 x the per-query
+      budget): the union of its queries' lists, best rank first; when the union is larger,
+      the blocks no query of the tile ranks high are cut.
+    share_tile_candidates: False = each query ranks its own candidate blocks (found in the
+      table); True = every token of its tile's table (more candidates, slower top_k).
+    bound_blocks: this many of each query's candidate blocks are chosen by spread instead of
+      pooled mean: in approximate mode by coarse score + (block radius x a per-query factor),
+      in exact mode by the upper bound; this finds blocks whose mean hides one outstanding
+      token (a "needle").
+    fast_ranking: in approximate mode, rank each query's candidate tokens with one sort of
+      packed int32 keys (hierarchical.packed_topk: ~1.5x faster than lax.top_k on CPU;
+      scores within ~1e-4 relative of each other may swap places). Exact mode never does.
+    exact: after the approximate pass, keep rescoring blocks whose upper bound reaches the
+      current k-th score until none does: the result equals flat top_k (ties aside).
+    refine_blocks: blocks per query tile rescored in each exact-mode round.
+    """
+
+    block_size: int = 64
+    candidate_tokens: int | None = 1408
+    coarse_keep_ratio: float | None = None
+    fine_batch_size: int = 128
+    sink_blocks: int = 1
+    local_blocks: int = 1
+    coarse_heads: int | None = None
+    coarse_head_select: str = "max_abs_weight"
+    query_tile: int = 16
+    tile_candidate_tokens: int | None = None
+    share_tile_candidates: bool = False
+    bound_blocks: int = 4
+    fast_ranking: bool = True
+    exact: bool = False
+    refine_blocks: int = 32
+
+    def __post_init__(self):
+        def fail(name, allowed):
+            raise ValueError(f"HierarchicalConfig.{name} must be {allowed}, "
+                             f"got {getattr(self, name)!r}")
+
+        def check_int(name, lo, hi=_INT_MAX, optional=False):
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+                fail(name, f"{'None or ' if optional else ''}an int in [{lo}, {hi}]")
+
+        check_int("block_size", 1, 65536)
+        check_int("candidate_tokens", 1, optional=True)
+        check_int("fine_batch_size", 1)
+        check_int("sink_blocks", 0)
+        check_int("local_blocks", 1)
+        check_int("coarse_heads", 1, optional=True)
+        check_int("query_tile", 1, 65536)
+        check_int("tile_candidate_tokens", 1, optional=True)
+        check_int("bound_blocks", 0)
+        check_int("refine_blocks", 1)
+        ratio = self.coarse_keep_ratio
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
+                                  or not 0.0 < ratio <= 1.0):
+            fail("coarse_keep_ratio", "None or a number in (0, 1]")
+        if (self.candidate_tokens is None) == (ratio is None):
+            raise ValueError("HierarchicalConfig: set exactly one of candidate_tokens and "
+                             "coarse_keep_ratio (set candidate_tokens=None to use "
+                             f"coarse_keep_ratio); got candidate_tokens={self.candidate_tokens!r}, "
+                             f"coarse_keep_ratio={ratio!r}")
+        if self.coarse_head_select not in HEAD_SELECT_KINDS:
+            fail("coarse_head_select", f"one of {HEAD_SELECT_KINDS}")
+        for name in ("exact", "share_tile_candidates", "fast_ranking"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "a bool")
+        if self.fine_batch_size % self.query_tile:
+            raise ValueError(f"HierarchicalConfig.fine_batch_size ({self.fine_batch_size}) must be "
+                             f"a multiple of query_tile ({self.query_tile})")
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown HierarchicalConfig fields {unknown}; allowed: "
+                             f"{sorted(known)}")
+        return cls(**data)
+
+    def candidate_blocks(self, n_blocks):
+        """The budget in whole blocks for a context of n_blocks blocks (static)."""
+        if self.candidate_tokens is not None:
+            return -(-self.candidate_tokens // self.block_size)
+        return max(1, math.ceil(self.coarse_keep_ratio * n_blocks - 1e-9))

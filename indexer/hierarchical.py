@@ -1,0 +1,257 @@
+"""Hierarchical (coarse-to-fine) lightning indexer: HISA-style block selection.
+
+Steps, each a pure function over arrays:
+  1. block summaries of the keys (indexer.block_summaries): pooled mean, min, max per block;
+  2. `coarse_block_scores`: I[t, b] against the pooled keys (optionally fewer heads);
+  3. `select_candidate_blocks` (indexer.candidates): per query, sink and local blocks
+     always, then the best blocks by coarse score up to a budget (and a few by spread,
+     `bound_blocks`); `tile_candidate_union` merges the lists of a tile of queries into one
+     block table, so the fine stage is one dense product per tile;
+  4. `fine_topk`: exact scores of the table's tokens (pallas_kernels.gathered_index_scores,
+     causal), each query ranking its own candidates, top_k in the format of `flat_topk`;
+  5. exact mode (indexer.exact): per-block upper bounds and refinement rounds until the
+     result equals flat top_k.
+`hierarchical_topk` runs them over chunks of `fine_batch_size` queries (lax.map), so memory
+is O(fine_batch_size * (L / block_size + candidates)), never [T, L].
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels
+from indexer.block_summaries import block_means, block_summaries, num_blocks, slice_blocks
+from indexer.candidates import select_candidate_blocks, table_slots, tile_candidate_union
+from indexer.config import HierarchicalConfig
+from indexer.exact import (
+    block_upper_bounds, refine_exact, sort_blocks, spread_boosted_scores, table_tokens,
+    visible_blocks,
+)
+
+__all__ = ["coarse_block_scores", "fine_topk", "hierarchical_topk",
+           "hierarchical_topk_with_stats", "select_candidate_blocks"]
+
+
+def _positions(n, q_offset, q_positions):
+    return q_offset + jnp.arange(n) if q_positions is None else q_positions
+
+
+def coarse_block_scores(q, w, summaries, *, block_size, q_offset=0, q_positions=None,
+                        coarse_heads=None, head_select="max_abs_weight", backend=None):
+    """Block scores f32[T, n_blocks]: sum_j w_j ReLU(q_j . mean_b) over the coarse heads.
+
+    q [T, H_I, d_I], w [T, H_I], summaries: BlockSummaryCache of the keys. A block is
+    visible to a query iff it is non-empty and its first token is at or before the query
+    (the block holding the query is visible); others are -inf. q_positions i32[T]: the
+    rows' positions when some are padding (-1); the others must be q_offset + row. coarse_heads: use only that many heads per
+    query, the largest |w| ("max_abs_weight") or the first ones ("first").
+    """
+    T, H, _ = q.shape
+    if coarse_heads is not None and coarse_heads < H:
+        if head_select == "first":
+            q, w = q[:, :coarse_heads], w[:, :coarse_heads]
+        else:
+            _, heads = jax.lax.top_k(jnp.abs(w), coarse_heads)
+            q = jnp.take_along_axis(q, heads[:, :, None], axis=1)
+            w = jnp.take_along_axis(w, heads, axis=1)
+    means = block_means(summaries).astype(q.dtype)
+    # Block-causal in the kernel (it skips tiles of blocks after every query of a tile);
+    # empty blocks and padding rows (q_positions -1) are masked here.
+    scores = pallas_kernels.index_scores(q, w, means, q_offset=q_offset,
+                                         key_block_size=block_size, backend=backend)
+    visible = visible_blocks(_positions(T, q_offset, q_positions), summaries, block_size)
+    return jnp.where(visible, scores, -jnp.inf)
+
+
+PACKED_MAX_COLUMN_BITS = 12  # fast ranking keeps >= 11 mantissa bits of each score
+
+
+def packed_topk(scores, top_k):
+    """lax.top_k's contract (values, columns; best first) by one sort of int32 keys that
+    pack each score's order-preserving bits, cut to 32 - b bits, with its column (b bits,
+    2^b >= columns, ties to the lower column). On CPU a single-key sort is ~1.5x faster
+    than lax.top_k (which sorts indices through a comparator). Scores within a relative
+    2^(b - 23) of each other (1e-4 for 1408 columns) may come out in either order: far
+    below the indexer's precision in deployment (FP8 e4m3 keeps 3 mantissa bits).
+    The values returned are the exact scores of the chosen columns."""
+    C = scores.shape[1]
+    bits = max(1, (C - 1).bit_length())
+    raw = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
+    order = jnp.where(raw < 0, raw ^ jnp.int32(0x7FFFFFFF), raw)  # monotone in the score
+    low = (1 << bits) - 1
+    packed = (order & jnp.int32(~low)) | (low - jnp.arange(C, dtype=jnp.int32))
+    best = jnp.flip(jax.lax.sort(packed, dimension=1)[:, C - top_k:], axis=1)
+    cols = low - (best & low)
+    return jnp.take_along_axis(scores, cols, axis=1), cols
+
+
+def fine_topk(q, w, k, block_table, top_k, *, block_size, q_offset=0, candidates=None,
+              slots=None, fast_ranking=False, backend=None):
+    """Exact scores inside the candidate blocks, causal, then top_k.
+
+    block_table i32[n_tiles, n_union]: blocks scored for each tile of T // n_tiles queries,
+    as one dense product (pallas_kernels.gathered_index_scores). candidates i32[T, n_cand]
+    with slots i32[T, n_cand] (candidates.table_slots): rank each query only over its own
+    candidate blocks found in its tile's table; None: over every block of the table.
+    fast_ranking: rank with packed_topk (ties within ~1e-4 relative either way) instead of
+    lax.top_k. Returns (values f32[T, top_k], tokens i32[T, top_k]), best first, -inf / -1
+    where fewer than top_k candidate tokens are visible.
+    """
+    scores = pallas_kernels.gathered_index_scores(
+        q, w, k, block_table, block_size=block_size, q_offset=q_offset, backend=backend)
+    T = scores.shape[0]
+    query_tile = T // block_table.shape[0]
+    if candidates is not None:
+        n_cand = candidates.shape[1]
+        cols = (jnp.maximum(slots, 0)[:, :, None] * block_size + jnp.arange(block_size))
+        own = jnp.take_along_axis(scores, cols.reshape(T, n_cand * block_size), axis=1)
+        scores = jnp.where(jnp.repeat(slots >= 0, block_size, axis=1), own, -jnp.inf)
+        block_table, query_tile = candidates, 1
+    C = scores.shape[1]
+    if C < top_k:
+        scores = jnp.pad(scores, ((0, 0), (0, top_k - C)), constant_values=-jnp.inf)
+    if fast_ranking and scores.shape[1] <= 1 << PACKED_MAX_COLUMN_BITS:
+        values, cols = packed_topk(scores, top_k)
+    else:
+        values, cols = jax.lax.top_k(scores, top_k)
+    tokens = table_tokens(block_table, cols, block_size, query_tile)
+    return values, jnp.where(values > -jnp.inf, tokens, -1).astype(jnp.int32)
+
+
+class _Plan(NamedTuple):
+    tile: int  # queries per tile
+    chunk: int  # queries per lax.map step
+    n_chunks: int
+    n_blocks: int
+    n_cand: int  # candidate blocks per query
+    n_union: int  # blocks in a tile's table
+    own: bool  # rank each query over its own candidates (else the tile's union)
+
+
+def _plan(config, T, L, top_k, H):
+    """Static sizes of one hierarchical_topk call."""
+    B = config.block_size
+    if config.candidate_tokens is not None and config.candidate_tokens < top_k:
+        raise ValueError(f"HierarchicalConfig.candidate_tokens ({config.candidate_tokens}) must "
+                         f"be >= top_k ({top_k})")
+    if config.coarse_heads is not None and config.coarse_heads > H:
+        raise ValueError(f"HierarchicalConfig.coarse_heads ({config.coarse_heads}) must be in "
+                         f"[1, index heads = {H}]")
+    tile = min(config.query_tile, T)
+    chunk = min(config.fine_batch_size, -(-T // tile) * tile)
+    nb = num_blocks(L, B)
+    forced = config.sink_blocks + config.local_blocks + config.bound_blocks
+    n_cand = min(nb, max(config.candidate_blocks(nb), forced))
+    if tile == 1:
+        n_union = n_cand
+    else:
+        tile_tokens = config.tile_candidate_tokens or 2 * n_cand * B
+        n_union = min(nb, max(n_cand, -(-tile_tokens // B)))
+    own = tile > 1 and not config.share_tile_candidates
+    return _Plan(tile, chunk, -(-T // chunk), nb, n_cand, n_union, own)
+
+
+def hierarchical_topk_with_stats(q, w, k, top_k, config=HierarchicalConfig(), *, q_offset=0,
+                                 summaries=None, backend=None):
+    """`hierarchical_topk` plus statistics of the work done.
+
+    Returns (indices i32[T, top_k], stats), stats a dict of scalars: scored_fraction
+    (blocks scored exactly for a query / blocks it sees, summed over queries),
+    rescored_fraction (the part scored by exact-mode refinement), rounds (most refinement
+    rounds of any query chunk), candidate_blocks and union_blocks (static sizes).
+    """
+    return _hierarchical(q, w, k, top_k, config, q_offset=q_offset, summaries=summaries,
+                         backend=backend, with_stats=True)
+
+
+@functools.partial(jax.jit, static_argnames=("top_k", "config", "backend", "with_stats"))
+def _hierarchical(q, w, k, top_k, config, *, q_offset, summaries, backend, with_stats):
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    if not isinstance(config, HierarchicalConfig):
+        raise TypeError(f"config must be a HierarchicalConfig, got {type(config).__name__}")
+    T, H, _ = q.shape
+    B = config.block_size
+    plan = _plan(config, T, k.shape[0], top_k, H)
+    nb, tile, chunk = plan.n_blocks, plan.tile, plan.chunk
+    if summaries is None:
+        summaries = block_summaries(k, B)
+    elif summaries.count.shape[0] < nb:
+        raise ValueError(f"summaries hold {summaries.count.shape[0]} blocks, keys need {nb}")
+    summaries = slice_blocks(summaries, nb)
+    pad = plan.n_chunks * chunk - T
+    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(plan.n_chunks, chunk, *q.shape[1:])
+    wp = jnp.pad(w, ((0, pad), (0, 0))).reshape(plan.n_chunks, chunk, H)
+    rows = jnp.arange(plan.n_chunks * chunk).reshape(plan.n_chunks, chunk)
+    bound_blocks = min(config.bound_blocks, plan.n_cand)
+
+    def one_chunk(args):
+        qc, wc, r = args
+        pos = jnp.where(r < T, q_offset + r, -1)
+        start = q_offset + r[0]
+        coarse = coarse_block_scores(
+            qc, wc, summaries, block_size=B, q_offset=start, q_positions=pos,
+            coarse_heads=config.coarse_heads,
+            head_select=config.coarse_head_select, backend=backend)
+        bounds = (block_upper_bounds(qc, wc, summaries, block_size=B, q_positions=pos,
+                                     backend=backend) if config.exact else None)
+        if bound_blocks and not config.exact:
+            bounds = spread_boosted_scores(coarse, qc, wc, summaries)
+        cands = select_candidate_blocks(
+            coarse, pos, plan.n_cand, block_size=B, sink_blocks=config.sink_blocks,
+            local_blocks=config.local_blocks, bound_scores=bounds if bound_blocks else None,
+            bound_blocks=bound_blocks, keep_ratio=config.coarse_keep_ratio)
+        table = sort_blocks(tile_candidate_union(cands, tile, plan.n_union, n_blocks=nb,
+                                                 bound_blocks=bound_blocks))
+        cands = sort_blocks(cands)  # token order: ties go to the lower token, as in flat
+        slots = table_slots(table, cands, tile, nb) if plan.own else None
+        values, tokens = fine_topk(
+            qc, wc, k, table, top_k, block_size=B, q_offset=start,
+            candidates=cands if plan.own else None, slots=slots,
+            fast_ranking=config.fast_ranking and not config.exact, backend=backend)
+        if not (with_stats or config.exact):
+            return jnp.where(values > -jnp.inf, tokens, -1), jnp.zeros(3, jnp.int32), 0
+        # Blocks scored exactly for each query: its own candidates found in the table, or
+        # the whole table of its tile.
+        rows_ = jnp.arange(chunk)[:, None]
+        listed = jnp.where(slots >= 0, cands, nb) if plan.own else table[rows_[:, 0] // tile]
+        listed = jnp.where(listed >= 0, listed, nb)
+        scored = jnp.zeros((chunk, nb), bool).at[rows_, listed].set(True, mode="drop")
+        seen = visible_blocks(pos, summaries, B)
+        n_initial = jnp.sum(scored & seen)
+        rounds = jnp.int32(0)
+        if config.exact:
+            values, tokens, scored, rounds = refine_exact(
+                qc, wc, k, bounds, values, tokens, scored, q_offset=start, block_size=B,
+                query_tile=tile, refine_blocks=config.refine_blocks, backend=backend)
+        tokens = jnp.where(values > -jnp.inf, tokens, -1).astype(jnp.int32)
+        counts = jnp.stack([n_initial, jnp.sum(scored & seen), jnp.sum(seen)])
+        return tokens, counts, rounds
+
+    tokens, counts, rounds = jax.lax.map(one_chunk, (qp, wp, rows))
+    tokens = tokens.reshape(plan.n_chunks * chunk, top_k)[:T]
+    if not with_stats:
+        return tokens
+    initial, scored, seen = jnp.sum(counts, axis=0).astype(jnp.float32)
+    seen = jnp.maximum(seen, 1.0)
+    stats = dict(scored_fraction=scored / seen, rescored_fraction=(scored - initial) / seen,
+                 rounds=jnp.max(rounds), candidate_blocks=plan.n_cand,
+                 union_blocks=plan.n_union)
+    return tokens, stats
+
+
+def hierarchical_topk(q, w, k, top_k, config=HierarchicalConfig(), *, q_offset=0,
+                      summaries=None, backend=None):
+    """Top_k keys per query by coarse-to-fine block selection -> i32[T, top_k].
+
+    Same contract as `flat_topk` (best first; -1 where fewer than top_k tokens are visible;
+    query i at position q_offset + i). config: HierarchicalConfig. summaries: the keys'
+    BlockSummaryCache when already maintained (decode, model prefill), at least
+    ceil(L / block_size) blocks; None builds them from k. With config.exact the result
+    equals flat top_k as sets (ties aside); otherwise it is flat top_k restricted to each
+    query's candidate blocks.
+    """
+    return _hierarchical(q, w, k, top_k, config, q_offset=q_offset, summaries=summaries,
+                         backend=backend, with_stats=False)
