@@ -28,6 +28,7 @@ flat over all keys). Prints a Markdown table, writes JSON to results/bench_index
 """
 
 import argparse
+import functools
 import json
 import pathlib
 import statistics
@@ -138,7 +139,11 @@ def bench_length(L, args, H, d, top_k, config):
     n = min(args.queries, L)
     q_offset = L - n
     row = {"length": L, "queries": n, "q_offset": q_offset}
-    for kind, make in (("random", random_inputs), ("structured", structured_inputs)):
+    # "unaligned": the same structure with segments of 32-96 tokens that straddle blocks, so
+    # the figures do not depend on segments matching the block size.
+    unaligned = functools.partial(structured_inputs, aligned=False)
+    for kind, make in (("random", random_inputs), ("structured", structured_inputs),
+                       ("unaligned", unaligned)):
         q, w, k, needles = (jnp.asarray(a) for a in make(args.seed + L, L, n, H, d))
         fns, exact_config = _selection_fns(q, w, k, top_k, config, q_offset, args.flat_chunk)
         if kind == "random" and not args.exact_on_random:
@@ -228,7 +233,7 @@ def markdown(result):
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["lengths"]:
-        for kind in ("random", "structured"):
+        for kind in ("random", "structured", "unaligned"):
             r = row[kind]
             exact = (f"{r['exact_s']:.3f} | {r['exact_speedup']:.2f}x | "
                      f"{'yes' if r['exact_equals_flat'] else 'NO'} | "

@@ -13,21 +13,17 @@ import time
 import numpy as np
 from flax import nnx
 
-from experiments.common import REPO_ROOT, enable_compile_cache, machine_description, stdlib_text
-from model import ModelRunner, Transformer, get_config, restore_checkpoint, tokenizer
-from model.checkpoint import read_config
-
-DEFAULT_CHECKPOINT = REPO_ROOT / "checkpoints" / "small"
+from experiments.common import enable_compile_cache, machine_description, stdlib_text
+from experiments.checkpoints import DEFAULT_CHECKPOINT, has_checkpoint, load_default_model
+from model import ModelRunner, Transformer, get_config, tokenizer
 
 
 def load_model(checkpoint, **overrides):
     """(model, description): the checkpoint if it exists, else random `small` weights."""
-    if checkpoint and checkpoint.exists():
-        stored, _ = read_config(checkpoint)
-        model, _, _ = restore_checkpoint(checkpoint, stored.replace(**overrides))
-        return model, f"checkpoint {checkpoint}"
-    return Transformer(get_config("small", **overrides), rngs=nnx.Rngs(0)), \
-        "random small weights (no checkpoint found)"
+    if has_checkpoint(checkpoint):
+        return load_default_model(checkpoint, **overrides)[0], f"checkpoint {checkpoint}"
+    return (Transformer(get_config("small", **overrides), rngs=nnx.Rngs(0)),
+            f"random small weights (no checkpoint at {checkpoint})")
 
 
 def main(argv=None):

@@ -3,6 +3,7 @@
 import pathlib
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -24,8 +25,12 @@ def _manager(directory, max_to_keep=None):
 def save_checkpoint(directory, model, *, step=0, metadata=None, extra=None, max_to_keep=None):
     """Saves model weights, its config and JSON metadata (plus an optional `extra` pytree,
     e.g. optimizer state) as step `step` under `directory`."""
+    # Host arrays: no device shardings are recorded, so a checkpoint written on a GPU restores
+    # on a CPU-only machine and vice versa.
+    weights = jax.tree.map(lambda x: np.asarray(jax.device_get(x)),
+                           nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     items = dict(
-        state=ocp.args.StandardSave(nnx.to_pure_dict(nnx.state(model, nnx.Param))),
+        state=ocp.args.StandardSave(weights),
         config=ocp.args.JsonSave(model.config.to_dict()),
         metadata=ocp.args.JsonSave(metadata or {}),
     )
@@ -74,7 +79,9 @@ def restore_checkpoint(directory, config=None, *, step=None, extra_target=None):
     check_compatible(stored, config)
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
-    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+    # Name this host's device: checkpoints that did record a device (e.g. cuda:0) still load.
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                           nnx.to_pure_dict(params))
     items = dict(state=ocp.args.StandardRestore(target))
     if extra_target is not None:

@@ -1,0 +1,561 @@
+"""Long-context evaluation of the trained model (issue 5): dense vs DSA sparse attention.
+
+    python -m experiments.eval [--checkpoint DIR] [--lengths 8192,16384,32768,65536]
+                               [--methods dense,sparse_flat,sparse_hier] [--smoke] [--out DIR]
+
+For each length L, one sequence: held-out standard-library files (the checkpoint's split)
+concatenated to L tokens, with a few `NAME = "secret"` assignments spliced in near the start.
+
+- bits per byte of each method (dense; sparse with the flat indexer; sparse with the
+  hierarchical indexer when the model build has it), over byte targets, the spliced lines
+  left out;
+- greedy next-token agreement and mean KL(P || Q) of the final next-token distributions for
+  each pair (dense | sparse_flat, sparse_flat | sparse_hier, dense | sparse_hier);
+- recall and IoU of the hierarchical selection against the flat one, per layer, on the
+  model's own indexer inputs (the sparse-flat pass's residual stream) for the last
+  --recall-queries query positions;
+- retrieval probe: after the context (its first L - 64 tokens), `\\nNAME = "` is appended and
+  the continuation decoded greedily; accuracy = exact matches of the secret per length.
+
+Logits come from a chunked full-sequence pass over the model's own KV + indexer-key cache
+(chunk c reads keys up to a power-of-two bucket of its end), so no [L, L] matrix is ever
+built. --smoke runs the whole pipeline on a tiny random-initialised model at small lengths.
+JSON and Markdown go to OUT/eval.json and OUT/eval.md (default results/).
+"""
+
+import argparse
+import json
+import math
+import pathlib
+import platform
+import string
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments.checkpoints import default_checkpoint_dir, load_default_model
+from experiments.data import Corpus, eval_sequence, file_list_digest
+from model.config import get_config
+from model.runner import length_bucket
+from model.transformer import Transformer, init_cache
+
+from experiments.common import REPO_ROOT  # noqa: E402
+METHODS = ("dense", "sparse_flat", "sparse_hier")
+PAIRS = (("dense", "sparse_flat"), ("sparse_flat", "sparse_hier"), ("dense", "sparse_hier"))
+PROBE_NAMES = ("SECRET_KEY", "API_TOKEN", "SESSION_ID", "BUILD_TAG")
+PROBE_RESERVE = 64
+LN2 = math.log(2.0)
+
+
+def method_overrides(method):
+    return {"dense": dict(attention="dense"),
+            "sparse_flat": dict(attention="sparse", indexer="flat"),
+            "sparse_hier": dict(attention="sparse", indexer="hierarchical")}[method]
+
+
+def with_config(model, config):
+    """The same weights under another run-time config (attention, indexer, rope_scaling...)."""
+    other = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(other)
+    _, state = nnx.split(model)
+    return nnx.merge(graphdef, state)
+
+
+def hierarchical_status(model):
+    """None when the hierarchical indexer runs in this build, else the reason it does not."""
+    from model.attention import select_tokens
+    try:
+        cfg = model.config.replace(indexer="hierarchical")
+    except (ValueError, TypeError) as e:
+        return f"ModelConfig rejects indexer='hierarchical': {e}"
+    d = cfg.index_dim
+    T = 8
+    q = jnp.ones((T, cfg.index_heads, d), jnp.float32)
+    w = jnp.ones((T, cfg.index_heads), jnp.float32)
+    k = jnp.ones((T, d), jnp.float32)
+    try:
+        jax.block_until_ready(select_tokens(cfg, q, w, k, q_offset=0))
+    except (ValueError, NotImplementedError, TypeError, AttributeError) as e:
+        return f"hierarchical selection is not available in this build: {e}"
+    return None
+
+
+# ------------------------------------------------------------------ chunked passes
+
+class ChunkedModel:
+    """Full-sequence log-probabilities by chunks over the model's KV + indexer-key cache."""
+
+    def __init__(self, model, *, chunk, recall_config=None):
+        self.config = model.config
+        self.chunk = chunk
+        self.graphdef, self.state = nnx.split(model)
+        graphdef = self.graphdef
+
+        def step(state, tokens, cache, start, kv_len):
+            m = nnx.merge(graphdef, state)
+            logits, cache = m(tokens, cache, start, kv_len)
+            return jax.nn.log_softmax(logits, axis=-1), cache
+
+        self._step = jax.jit(step, static_argnames=("kv_len",), donate_argnames=("cache",))
+        self._collect = None
+        if recall_config is not None:
+            from model.attention import select_tokens
+            flat_cfg = self.config.replace(indexer="flat")
+
+            def collect(state, tokens, cache, start, kv_len):
+                """As step, plus each layer's flat and `recall_config` selections on the
+                layer's own indexer inputs: i32[n_layers, T, top_k] each."""
+                m = nnx.merge(graphdef, state)
+                T = tokens.shape[0]
+                positions = start + jnp.arange(T)
+                x = m.embed(tokens)
+                new_cache, flats, others = [], [], []
+                for layer, c in zip(m.layers, cache):
+                    q_i, w_i, _ = layer.indexer(layer.attn_norm(x), positions)
+                    x, c = layer(x, c, start, kv_len)
+                    keys = c.k_index[:kv_len]
+                    flats.append(select_tokens(flat_cfg, q_i, w_i, keys, q_offset=start))
+                    others.append(select_tokens(recall_config, q_i, w_i, keys, q_offset=start))
+                    new_cache.append(c)
+                logits = m.lm_head(m.final_norm(x)).astype(jnp.float32)
+                return (jax.nn.log_softmax(logits, axis=-1), new_cache, jnp.stack(flats),
+                        jnp.stack(others))
+
+            self._collect = jax.jit(collect, static_argnames=("kv_len",),
+                                    donate_argnames=("cache",))
+
+    def new_cache(self, capacity):
+        return init_cache(self.config, length_bucket(capacity))
+
+    def _pieces(self, n, start, cap):
+        for offset in range(0, n, self.chunk):
+            pos = start + offset
+            real = min(self.chunk, n - offset)
+            size = min(self.chunk, length_bucket(real, minimum=16), cap - pos)
+            yield offset, pos, real, size, min(cap, length_bucket(pos + size))
+
+    def logprobs(self, tokens, *, cache=None, start=0, collect_from=None):
+        """tokens: int[N] at positions start.. -> (log-probs f32[N, V] numpy, cache,
+        selections): selections = (flat, other) i32[n_layers, Q, top_k] for the queries at
+        positions >= collect_from (None when not collected)."""
+        tokens = np.asarray(tokens, np.int32)
+        n = tokens.shape[0]
+        if cache is None:
+            cache = self.new_cache(start + n)
+        cap = cache[0].k.shape[0]
+        if start + n > cap:
+            raise ValueError(f"cache holds {cap} positions, need {start + n}")
+        out = np.zeros((n, self.config.vocab_size), np.float32)
+        flats, others = [], []
+        for offset, pos, real, size, kv_len in self._pieces(n, start, cap):
+            padded = np.zeros(size, np.int32)
+            padded[:real] = tokens[offset:offset + real]
+            use_collect = (self._collect is not None and collect_from is not None
+                           and pos + real > collect_from)
+            if use_collect:
+                lp, cache, f, o = self._collect(self.state, jnp.asarray(padded), cache, pos,
+                                                kv_len)
+                first = max(0, collect_from - pos)
+                flats.append(np.asarray(f)[:, first:real])
+                others.append(np.asarray(o)[:, first:real])
+            else:
+                lp, cache = self._step(self.state, jnp.asarray(padded), cache, pos, kv_len)
+            out[offset:offset + real] = np.asarray(lp)[:real]
+        selections = None
+        if flats:
+            selections = (np.concatenate(flats, axis=1), np.concatenate(others, axis=1))
+        return out, cache, selections
+
+    def greedy(self, prompt, cache, start, n_new):
+        """Appends prompt at `start` and decodes n_new tokens greedily -> list of ints."""
+        lp, cache, _ = self.logprobs(prompt, cache=cache, start=start)
+        token = int(np.argmax(lp[-1]))
+        out = [token]
+        pos = start + len(prompt)
+        for _ in range(n_new - 1):
+            lp, cache, _ = self.logprobs([token], cache=cache, start=pos)
+            token = int(np.argmax(lp[-1]))
+            out.append(token)
+            pos += 1
+        return out
+
+
+# ------------------------------------------------------------------ inputs
+
+def random_secret(rng, n=6):
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(rng.choice(list(alphabet), size=n))
+
+
+def build_sequence(heldout_tokens, length, *, seed, n_probes):
+    """-> (tokens int32[length], byte-target mask bool[length], probes [(name, secret)]).
+
+    Held-out text from the stream's start, with `NAME = "secret"` lines spliced in at the
+    first line break after token 64; mask is False on the spliced bytes and on BOS/EOS."""
+    rng = np.random.default_rng([seed, length])
+    probes = [(name, random_secret(rng)) for name in PROBE_NAMES[:n_probes]]
+    insert = "".join(f'{name} = "{secret}"\n' for name, secret in probes).encode()
+    insert_ids = np.frombuffer(insert, np.uint8).astype(np.int32)
+    if len(insert_ids) + 16 > length - PROBE_RESERVE:
+        insert_ids, probes = insert_ids[:0], []
+    base = eval_sequence(heldout_tokens, length - len(insert_ids))
+    newlines = np.nonzero(base[64:] == ord("\n"))[0]
+    at = 64 + int(newlines[0]) + 1 if newlines.size else 64
+    at = min(at, max(1, (length - PROBE_RESERVE) // 4))
+    tokens = np.concatenate([base[:at], insert_ids, base[at:]]).astype(np.int32)
+    mask = (tokens < 256)
+    mask[at:at + len(insert_ids)] = False
+    return tokens, mask, probes
+
+
+def target_nll(logprobs, tokens):
+    """Per-target NLL (nats): out[t] = -log P(tokens[t] | tokens[:t]) for t >= 1; out[0] = nan."""
+    out = np.full(len(tokens), np.nan, np.float64)
+    out[1:] = -logprobs[np.arange(len(tokens) - 1), tokens[1:]]
+    return out
+
+
+def masked_bpb(nll, mask, lo=0, hi=None):
+    """Bits per byte over target positions [lo, hi) where mask holds and nll is defined."""
+    sel = np.zeros(len(nll), bool)
+    sel[lo:hi] = True
+    sel &= mask & np.isfinite(nll)
+    if not sel.any():
+        return None, 0
+    return float(nll[sel].mean() / LN2), int(sel.sum())
+
+
+def _round(x, n=5):
+    return None if x is None else round(x, n)
+
+
+def position_buckets(length, first):
+    """[(lo, hi)]: [0, first), [first, 2 first), [2 first, 4 first) ... up to length."""
+    edges = [0]
+    edge = first
+    while edge < length:
+        edges.append(edge)
+        edge *= 2
+    edges.append(length)
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def window_reference_nll(model, tokens, window):
+    """Per-target NLL of the same tokens read in independent dense windows of `window`
+    tokens (the training length), each from scratch: the in-distribution reference a long
+    context should match or beat. nan at each window's first token."""
+    cfg = model.config.replace(attention="dense", rope_scaling=1.0)
+    dense = with_config(model, cfg)
+    graphdef, state = nnx.split(dense)
+
+    @jax.jit
+    def forward(state, toks):
+        return jax.nn.log_softmax(nnx.merge(graphdef, state).forward(toks), axis=-1)
+
+    out = np.full(len(tokens), np.nan, np.float64)
+    for lo in range(0, len(tokens), window):
+        piece = tokens[lo:lo + window]
+        if len(piece) < 2:
+            break
+        if len(piece) < window:  # pad the last window; padded positions are never read
+            piece = np.concatenate([piece, np.zeros(window - len(piece), np.int32)])
+        lp = np.asarray(forward(state, jnp.asarray(piece)))
+        n = min(window, len(tokens) - lo)
+        out[lo:lo + n] = target_nll(lp[:n], tokens[lo:lo + n])
+    return out
+
+
+def pair_metrics(lp_a, lp_b):
+    """Greedy agreement and mean KL(P_a || P_b) over positions."""
+    agree = float(np.mean(np.argmax(lp_a, -1) == np.argmax(lp_b, -1)))
+    kl = np.sum(np.exp(lp_a) * (lp_a - lp_b), axis=-1, dtype=np.float64)
+    return {"agreement": round(agree, 6), "kl_mean": float(np.mean(kl)),
+            "kl_max": float(np.max(kl))}
+
+
+def selection_metrics(flat, other):
+    """Per-layer recall and IoU of `other` against `flat` (i32[n_layers, Q, K])."""
+    from indexer import iou, recall
+    layers = [{"layer": i, "recall": round(recall(other[i], flat[i]), 6),
+               "iou": round(iou(other[i], flat[i]), 6)} for i in range(flat.shape[0])]
+    return {"layers": layers, "queries": int(flat.shape[1]),
+            "recall_mean": round(float(np.mean([x["recall"] for x in layers])), 6),
+            "iou_mean": round(float(np.mean([x["iou"] for x in layers])), 6)}
+
+
+# ------------------------------------------------------------------ the evaluation
+
+def set_kernel_backend(backend):
+    """Opt-in override of the kernel dispatch default (e.g. 'xla' on a GPU host whose
+    Pallas kernels are not built yet). Affects this process only."""
+    import pallas_kernels.api as api
+    original = api.resolve_backend
+
+    def resolve(requested=None):
+        return original(backend if requested is None else requested)
+
+    api.resolve_backend = resolve
+
+
+def evaluate(model, heldout_tokens, lengths, *, methods=METHODS, chunk=None, seed=0,
+             n_probes=4, recall_queries=1024, rope_scaling=None, train_len=None,
+             reference_window=None, log=print):
+    """-> results dict (see module docstring)."""
+    base_config = model.config
+    chunk = chunk or base_config.prefill_chunk
+    hier_reason = hierarchical_status(model) if "sparse_hier" in methods else None
+    skipped = {}
+    if hier_reason is not None:
+        log(f"sparse_hier skipped: {hier_reason}")
+        skipped["sparse_hier"] = hier_reason
+        skipped["recall"] = hier_reason
+    active = [m for m in methods if m not in skipped]
+    results = {"lengths": {}, "skipped": skipped, "methods": active}
+    for length in lengths:
+        if length > base_config.max_seq_len:
+            raise ValueError(f"length {length} > max_seq_len {base_config.max_seq_len}")
+        scaling = base_config.rope_scaling
+        if rope_scaling == "auto":
+            scaling = max(1.0, length / float(train_len))
+        elif rope_scaling is not None:
+            scaling = float(rope_scaling)
+        tokens, mask, probes = build_sequence(heldout_tokens, length, seed=seed,
+                                              n_probes=n_probes)
+        row = {"tokens": length, "rope_scaling": scaling, "methods": {}, "pairs": {},
+               "probe": {}}
+        logprobs = {}
+        buckets = position_buckets(length, min(train_len or 2048, length))
+        row["buckets"] = {"edges": [list(b) for b in buckets], "bits_per_byte": {}}
+        if reference_window:
+            t0 = time.perf_counter()
+            ref = window_reference_nll(model, tokens, reference_window)
+            bpb, count = masked_bpb(ref, mask)
+            row["reference"] = {"window": reference_window, "bits_per_byte": _round(bpb),
+                                "targets": count, "wall_s": round(time.perf_counter() - t0, 2)}
+            row["buckets"]["bits_per_byte"]["reference"] = [
+                _round(masked_bpb(ref, mask, lo, hi)[0]) for lo, hi in buckets]
+            log(f"L={length} reference ({reference_window}-token windows): bpb {bpb:.4f}")
+        for method in active:
+            cfg = base_config.replace(rope_scaling=scaling, **method_overrides(method))
+            recall_cfg = None
+            if method == "sparse_flat" and "sparse_hier" in active and recall_queries > 0:
+                recall_cfg = cfg.replace(indexer="hierarchical")
+            runner = ChunkedModel(with_config(model, cfg), chunk=chunk, recall_config=recall_cfg)
+            t0 = time.perf_counter()
+            collect_from = max(0, length - recall_queries) if recall_cfg is not None else None
+            try:
+                lp, cache, sel = runner.logprobs(tokens, collect_from=collect_from)
+            except Exception as e:  # noqa: BLE001 - a method that cannot run is reported
+                if recall_cfg is None:
+                    raise
+                log(f"  recall collection failed ({type(e).__name__}: {e}); rerunning "
+                    "sparse_flat without it")
+                row["recall_error"] = f"{type(e).__name__}: {e}"
+                runner = ChunkedModel(with_config(model, cfg), chunk=chunk)
+                lp, cache, sel = runner.logprobs(tokens)
+            wall = time.perf_counter() - t0
+            nll = target_nll(lp, tokens)
+            bpb, count = masked_bpb(nll, mask)
+            row["methods"][method] = {"bits_per_byte": _round(bpb), "targets": count,
+                                      "wall_s": round(wall, 2)}
+            # Tail: the last quarter of the sequence (the farthest from position 0).
+            row["methods"][method]["bits_per_byte_last_quarter"] = _round(
+                masked_bpb(nll, mask, length * 3 // 4)[0])
+            row["buckets"]["bits_per_byte"][method] = [
+                _round(masked_bpb(nll, mask, lo, hi)[0]) for lo, hi in buckets]
+            if sel is not None:
+                row["recall"] = selection_metrics(*sel)
+            logprobs[method] = lp
+            answers = []
+            ctx_end = length - PROBE_RESERVE
+            for name, secret in probes:
+                prompt = np.frombuffer(f'\n{name} = "'.encode(), np.uint8).astype(np.int32)
+                branch = jax.tree.map(jnp.copy, cache)
+                out = runner.greedy(prompt, branch, ctx_end, len(secret))
+                got = bytes(t for t in out if 0 <= t < 256).decode("utf-8", errors="replace")
+                answers.append({"name": name, "secret": secret, "answer": got,
+                                "correct": got == secret,
+                                "char_accuracy": sum(a == b for a, b in zip(got, secret))
+                                / len(secret)})
+            if answers:
+                row["probe"][method] = {
+                    "accuracy": float(np.mean([a["correct"] for a in answers])),
+                    "char_accuracy": round(float(np.mean([a["char_accuracy"]
+                                                          for a in answers])), 4),
+                    "answers": answers}
+            log(f"L={length} {method}: bpb {row['methods'][method]['bits_per_byte']:.4f} "
+                f"(last quarter {row['methods'][method]['bits_per_byte_last_quarter']:.4f}), "
+                f"probe {row['probe'].get(method, {}).get('accuracy')} "
+                f"[{wall:.1f}s]" + (f", recall {row['recall']['recall_mean']:.4f} IoU "
+                                    f"{row['recall']['iou_mean']:.4f}" if sel is not None else ""))
+            del cache
+        for a, b in PAIRS:
+            if a in logprobs and b in logprobs:
+                row["pairs"][f"{a}|{b}"] = pair_metrics(logprobs[a], logprobs[b])
+        results["lengths"][str(length)] = row
+    return results
+
+
+def to_markdown(results):
+    lines = [f"# dosa long-context evaluation", "",
+             f"Model: {results['model']}. Data: {results['data']}. Device: {results['device']}.",
+             f"Long-context method: {results.get('long_context', 'n/a')}", ""]
+    lengths = list(results["lengths"])
+    methods = results["methods"]
+    has_ref = all("reference" in results["lengths"][L] for L in lengths) and lengths
+    ref_head = " | reference: same text in independent training-length windows" if has_ref else ""
+    lines += ["## Bits per byte (held-out stdlib text)", "",
+              "| tokens | " + " | ".join(methods) + ref_head + " |",
+              "|---:|" + "---:|" * (len(methods) + bool(has_ref))]
+    for L in lengths:
+        r = results["lengths"][L]["methods"]
+        ref = (f" | {results['lengths'][L]['reference']['bits_per_byte']:.4f}" if has_ref else "")
+        lines.append(f"| {L} | " + " | ".join(f"{r[m]['bits_per_byte']:.4f}" for m in methods)
+                     + ref + " |")
+    if lengths:
+        L = lengths[-1]
+        b = results["lengths"][L]["buckets"]
+        cols = list(b["bits_per_byte"])
+        lines += ["", f"By target position, {L}-token sequence (does bpb grow with distance "
+                      "from the start? compare with the reference column):", "",
+                  "| positions | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+        for i, (lo, hi) in enumerate(b["edges"]):
+            lines.append(f"| {lo}-{hi} | " + " | ".join(
+                f"{b['bits_per_byte'][c][i]:.4f}" if b["bits_per_byte"][c][i] is not None
+                else "n/a" for c in cols) + " |")
+    lines += ["", "Last quarter of each sequence only:", "",
+              "| tokens | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
+    for L in lengths:
+        r = results["lengths"][L]["methods"]
+        lines.append(f"| {L} | " + " | ".join(
+            f"{r[m]['bits_per_byte_last_quarter']:.4f}" for m in methods) + " |")
+    pairs = sorted({p for L in lengths for p in results["lengths"][L]["pairs"]})
+    if pairs:
+        lines += ["", "## Agreement of final next-token distributions", "",
+                  "| tokens | pair | greedy agreement | mean KL (nats) | max KL |",
+                  "|---:|---|---:|---:|---:|"]
+        for L in lengths:
+            for p, v in results["lengths"][L]["pairs"].items():
+                lines.append(f"| {L} | {p.replace('|', ' vs ')} | {v['agreement']:.4f} | "
+                             f"{v['kl_mean']:.3e} | {v['kl_max']:.3e} |")
+    if any("recall" in results["lengths"][L] for L in lengths):
+        lines += ["", "## Hierarchical vs flat selection (model's own indexer inputs)", "",
+                  "| tokens | queries | layer | recall | IoU |", "|---:|---:|---:|---:|---:|"]
+        for L in lengths:
+            rec = results["lengths"][L].get("recall")
+            if rec:
+                for x in rec["layers"]:
+                    lines.append(f"| {L} | {rec['queries']} | {x['layer']} | {x['recall']:.4f} "
+                                 f"| {x['iou']:.4f} |")
+                lines.append(f"| {L} | {rec['queries']} | mean | {rec['recall_mean']:.4f} | "
+                             f"{rec['iou_mean']:.4f} |")
+    lines += ["", "## Retrieval probe (greedy continuation of `NAME = \"`)", "",
+              "| tokens | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
+    for L in lengths:
+        p = results["lengths"][L]["probe"]
+        lines.append(f"| {L} | " + " | ".join(
+            f"{p[m]['accuracy']:.2f} (chars {p[m]['char_accuracy']:.2f})" if m in p else "n/a"
+            for m in methods) + " |")
+    if results["skipped"]:
+        lines += ["", "## Skipped", ""]
+        lines += [f"- {k}: {v}" for k, v in results["skipped"].items()]
+    lines += ["", f"Command: `{results['command']}`", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint directory (default: $DOSA_CHECKPOINT or checkpoints/small)")
+    p.add_argument("--lengths", default=None,
+                   help="comma-separated token counts (default 8192,16384,32768,65536; "
+                        "smoke: 256,512)")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny random-initialised model, small lengths: tests the pipeline")
+    p.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: config)")
+    p.add_argument("--probes", type=int, default=4, help="secrets per sequence (<= 4)")
+    p.add_argument("--recall-queries", type=int, default=1024,
+                   help="last query positions on which hierarchical-vs-flat recall is measured")
+    p.add_argument("--rope-scaling", default=None,
+                   help="override rope_scaling: a number, or 'auto' = length / train length "
+                        "(linear position interpolation); default: the checkpoint's")
+    p.add_argument("--top-k", type=int, default=None, help="override top_k")
+    p.add_argument("--no-reference", action="store_true",
+                   help="skip the independent-window reference (same text, training length)")
+    p.add_argument("--kernel-backend", default=None, choices=["xla", "pallas", "interpret"],
+                   help="default kernel backend for this process (e.g. xla on a GPU without "
+                        "Pallas kernels)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=str(REPO_ROOT / "results"))
+    args = p.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    bad = sorted(set(methods) - set(METHODS))
+    if bad:
+        p.error(f"unknown methods {bad}; choose from {METHODS}")
+    if not 0 <= args.probes <= len(PROBE_NAMES):
+        p.error(f"--probes must be in [0, {len(PROBE_NAMES)}]")
+    if args.kernel_backend:
+        set_kernel_backend(args.kernel_backend)
+    lengths_text = args.lengths or ("256,512" if args.smoke else "8192,16384,32768,65536")
+    lengths = [int(x) for x in lengths_text.split(",") if x.strip()]
+    if any(L < 2 * PROBE_RESERVE for L in lengths):
+        p.error(f"lengths must be >= {2 * PROBE_RESERVE}")
+
+    if args.smoke:
+        config = get_config("tiny", max_seq_len=max(4096, max(lengths)))
+        model = Transformer(config, rngs=nnx.Rngs(args.seed))
+        corpus = Corpus(heldout_fraction=0.2, max_files=60)
+        model_desc = "tiny preset, random initialisation (--smoke)"
+        long_context = "n/a (smoke)"
+        train_len = 64
+    else:
+        directory = pathlib.Path(args.checkpoint) if args.checkpoint else default_checkpoint_dir()
+        overrides = dict(max_seq_len=max(max(lengths), 1))
+        if args.top_k:
+            overrides["top_k"] = args.top_k
+        model, metadata = load_default_model(directory, **overrides)
+        data = metadata.get("data", {})
+        corpus = Corpus(heldout_fraction=float(data.get("heldout_fraction", 0.05)))
+        if data.get("file_list_sha256") and data["file_list_sha256"] != file_list_digest(
+                corpus.files):
+            print(f"note: this Python's stdlib file list differs from the training machine's "
+                  f"(trained on Python {data.get('python_version')}, here "
+                  f"{platform.python_version()}); the held-out rule is per path, so held-out "
+                  "files are still unseen")
+        config = model.config
+        model_desc = (f"{directory} (step metadata: "
+                      f"{metadata.get('training', {}).get('total_steps')} steps)")
+        lc = metadata.get("long_context", {})
+        long_context = lc.get("note", "n/a")
+        train_len = int(metadata.get("seq_len", 2048))
+    if args.top_k and args.smoke:
+        model = with_config(model, model.config.replace(top_k=args.top_k))
+    t0 = time.perf_counter()
+    results = evaluate(model, corpus.heldout_tokens, lengths, methods=methods, chunk=args.chunk,
+                       seed=args.seed, n_probes=args.probes, recall_queries=args.recall_queries,
+                       rope_scaling=args.rope_scaling, train_len=train_len,
+                       reference_window=None if args.no_reference else train_len)
+    d = jax.devices()[0]
+    results.update(model=model_desc, config=model.config.to_dict(), long_context=long_context,
+                   data=f"{len(corpus.heldout_files)} held-out stdlib files (Python "
+                        f"{platform.python_version()})",
+                   device=f"{d.platform}:{d.device_kind}", jax_version=jax.__version__,
+                   wall_s=round(time.perf_counter() - t0, 1),
+                   command="python -m experiments.eval " + " ".join(argv if argv is not None
+                                                                   else sys.argv[1:]))
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(results, indent=1))
+    (out / "eval.md").write_text(to_markdown(results))
+    print(f"wrote {out / 'eval.json'} and {out / 'eval.md'} ({results['wall_s']}s)")
+    return results
+
+
+if __name__ == "__main__":
+    main()

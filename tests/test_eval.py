@@ -1,0 +1,107 @@
+"""experiments.eval and experiments.checkpoints: chunked passes, metrics, smoke run, and the
+shipped checkpoint's quality on held-out text."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from experiments import eval as ev
+from experiments.checkpoints import (CheckpointMissingError, default_checkpoint_dir,
+                                     has_checkpoint, load_default_model)
+from experiments.data import Corpus, eval_sequence
+from model import Transformer, get_config
+
+# Held-out bits per byte the shipped checkpoint must beat on the fixed sample below. A random
+# initialisation scores ~8 (uniform over 259 symbols ~ 8.02); the shipped model ~1.3-1.6.
+SHIPPED_BPB_THRESHOLD = 2.5
+SAMPLE_TOKENS = 1024
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    return Transformer(get_config("tiny", rope_theta=300.0), rngs=nnx.Rngs(3))
+
+
+def _tokens(n, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
+
+
+@pytest.mark.parametrize("attention", ["dense", "sparse"])
+def test_chunked_logprobs_equal_the_full_forward(tiny_model, attention):
+    model = ev.with_config(tiny_model, tiny_model.config.replace(attention=attention))
+    toks = _tokens(200)
+    full = jax.nn.log_softmax(model.forward(jnp.asarray(toks)), axis=-1)
+    lp, _, _ = ev.ChunkedModel(model, chunk=64).logprobs(toks)
+    np.testing.assert_allclose(lp, full, atol=2e-4)
+
+
+def test_recall_collection_against_itself_is_perfect(tiny_model):
+    model = ev.with_config(tiny_model, tiny_model.config.replace(attention="sparse"))
+    toks = _tokens(160, seed=1)
+    plain, _, _ = ev.ChunkedModel(model, chunk=64).logprobs(toks)
+    runner = ev.ChunkedModel(model, chunk=64, recall_config=model.config.replace(indexer="flat"))
+    lp, _, (flat, other) = runner.logprobs(toks, collect_from=100)
+    np.testing.assert_allclose(lp, plain, atol=1e-5)
+    assert flat.shape == (2, 60, model.config.top_k)
+    metrics = ev.selection_metrics(flat, other)
+    assert metrics["recall_mean"] == 1.0 and metrics["iou_mean"] == 1.0
+
+
+def test_pair_metrics_and_bpb_helpers():
+    lp = np.log(np.full((4, 259), 1 / 259, np.float32))
+    same = ev.pair_metrics(lp, lp)
+    assert same["agreement"] == 1.0 and abs(same["kl_mean"]) < 1e-9
+    toks = np.array([256, 10, 20, 30], np.int32)
+    nll = ev.target_nll(lp, toks)
+    assert np.isnan(nll[0])
+    bpb, n = ev.masked_bpb(nll, toks < 256)
+    assert n == 3 and bpb == pytest.approx(np.log2(259), rel=1e-5)
+    assert ev.position_buckets(1000, 128) == [(0, 128), (128, 256), (256, 512), (512, 1000)]
+
+
+def test_probe_sequence_has_secrets_near_the_start():
+    corpus = Corpus(heldout_fraction=0.2, max_files=60)
+    toks, mask, probes = ev.build_sequence(corpus.heldout_tokens, 1024, seed=0, n_probes=2)
+    assert toks.shape == (1024,) and len(probes) == 2
+    text = bytes(t for t in toks[:400] if t < 256).decode("utf-8", "replace")
+    for name, secret in probes:
+        assert f'{name} = "{secret}"' in text
+    assert (~mask).sum() >= sum(len(n) + len(s) + 6 for n, s in probes)
+
+
+def test_smoke_run_writes_json_and_markdown(tmp_path):
+    results = ev.main(["--smoke", "--lengths", "256", "--probes", "1", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    assert saved["lengths"]["256"]["methods"]["dense"]["bits_per_byte"] > 0
+    row = results["lengths"]["256"]
+    assert "dense|sparse_flat" in row["pairs"] and "reference" in row
+    assert "dense" in row["probe"] and row["buckets"]["bits_per_byte"]["dense"]
+    md = (tmp_path / "eval.md").read_text()
+    assert "Bits per byte" in md and "Retrieval probe" in md
+    # The hierarchical indexer is either evaluated or skipped with a reason.
+    assert "sparse_hier" in results["methods"] or "sparse_hier" in results["skipped"]
+
+
+def test_missing_checkpoint_error_names_the_training_command(tmp_path):
+    with pytest.raises(CheckpointMissingError, match="experiments.train"):
+        load_default_model(tmp_path / "nothing")
+
+
+@pytest.mark.skipif(not has_checkpoint(),
+                    reason=f"no shipped checkpoint at {default_checkpoint_dir()} yet (made by "
+                           "experiments.train; the lead adds checkpoints/small)")
+def test_shipped_checkpoint_reaches_the_heldout_bits_per_byte_threshold():
+    model, meta = load_default_model(attention="dense", max_seq_len=4096)
+    assert meta["data"]["heldout_files"], "checkpoint metadata lists its held-out files"
+    corpus = Corpus(heldout_fraction=float(meta["data"]["heldout_fraction"]))
+    # The split is a function of the path: files held out there are held out here too.
+    assert set(meta["data"]["heldout_files"]).isdisjoint(corpus.train_files)
+    toks = eval_sequence(corpus.heldout_tokens, SAMPLE_TOKENS)
+    lp = jax.nn.log_softmax(model.forward(jnp.asarray(toks)), axis=-1)
+    bpb, n = ev.masked_bpb(ev.target_nll(np.asarray(lp), toks), toks < 256)
+    assert n > 900
+    assert bpb < SHIPPED_BPB_THRESHOLD, f"held-out bits per byte {bpb:.3f}"

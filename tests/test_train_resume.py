@@ -1,0 +1,72 @@
+"""experiments.train: a tiny two-stage run, paused and resumed, equals an uninterrupted one."""
+
+import json
+import pathlib
+import tarfile
+
+import jax
+import numpy as np
+from flax import nnx
+
+from experiments.train import Trainer, load_config, main
+from model import restore_checkpoint
+from model.checkpoint import read_config
+
+TINY = pathlib.Path(__file__).resolve().parent.parent / "experiments" / "configs" / "train_tiny.yaml"
+QUIET = lambda msg: None  # noqa: E731
+
+
+def _cfg():
+    return load_config(TINY, ["data.max_files=24", "train.eval_batches=0",
+                              "stages.dense.steps=3", "stages.dense_long.steps=1",
+                              "stages.indexer_warmup.steps=2"])
+
+
+def _params(directory):
+    model, meta, _ = restore_checkpoint(directory)
+    return [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))], meta
+
+
+def test_resume_continues_the_step_count_and_replays_the_same_run(tmp_path):
+    full = Trainer(_cfg(), tmp_path / "full", log=QUIET).run()
+    assert full["total_steps"] == 6
+    assert full["stages"]["dense_long"]["seq_len"] == 128
+
+    # Pause after 2 steps (inside stage 1), then after 3 more (inside the last stage).
+    for run_steps in (2, 3):
+        assert Trainer(_cfg(), tmp_path / "parts", run_steps=run_steps, log=QUIET).run() is None
+        _, meta = read_config(tmp_path / "parts.work")
+        assert not (tmp_path / "parts").exists()
+    assert meta["resume"]["global_step"] == 5
+    assert meta["resume"]["stages"]["dense_long"]["complete"]
+    assert meta["resume"]["stages"]["indexer_warmup"]["steps_done"] == 1
+    log = Trainer(_cfg(), tmp_path / "parts", log=QUIET).run()
+    assert log["total_steps"] == 6 and log["stages"]["indexer_warmup"]["steps_done"] == 2
+
+    a, meta_full = _params(tmp_path / "full")
+    b, meta_parts = _params(tmp_path / "parts")
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7)
+    assert meta_parts["training"]["total_steps"] == 6
+
+
+def test_cli_writes_a_compact_checkpoint_log_and_tar(tmp_path, capsys):
+    out = tmp_path / "ckpt" / "tiny"
+    main(["--config", str(TINY), "--out", str(out), "--tar", str(tmp_path / "tiny.tar"),
+          "--set", "data.max_files=24", "--steps", "dense=2,dense_long=0,indexer_warmup=1"])
+    text = capsys.readouterr().out
+    assert "SUMMARY dense: steps 2" in text and "indexer_warmup: steps 1" in text
+    steps = [p for p in out.iterdir() if p.is_dir()]
+    assert [p.name for p in steps] == ["3"]
+    assert not (steps[0] / "extra").exists()  # no optimizer state in the shipped checkpoint
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["stages"]["dense"]["history"] and log["total_steps"] == 3
+    assert json.loads((tmp_path / "training_log.json").read_text()) == log
+    with tarfile.open(tmp_path / "tiny.tar") as tar:
+        assert "tiny/training_log.json" in tar.getnames()
+    config, meta = read_config(out)
+    assert config.attention == "sparse" and config.dtype == "float32"
+    assert meta["data"]["python_version"] and meta["data"]["heldout_files"]
+    assert meta["training"]["stages"]["dense"]["steps_done"] == 2
+    assert "--steps dense=2,dense_long=0,indexer_warmup=1" in meta["training"]["reproduce"]
+    assert meta["training"]["stages"]["dense_long"]["stopped_by"] == "skipped"
