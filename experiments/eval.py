@@ -24,6 +24,7 @@ JSON and Markdown go to OUT/eval.json and OUT/eval.md (default results/).
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import pathlib
@@ -289,18 +290,6 @@ def selection_metrics(flat, other):
 
 # ------------------------------------------------------------------ the evaluation
 
-def set_kernel_backend(backend):
-    """Opt-in override of the kernel dispatch default (e.g. 'xla' on a GPU host whose
-    Pallas kernels are not built yet). Affects this process only."""
-    import pallas_kernels.api as api
-    original = api.resolve_backend
-
-    def resolve(requested=None):
-        return original(backend if requested is None else requested)
-
-    api.resolve_backend = resolve
-
-
 def evaluate(model, heldout_tokens, lengths, *, methods=METHODS, chunk=None, seed=0,
              n_probes=4, recall_queries=1024, rope_scaling=None, train_len=None,
              reference_window=None, log=print):
@@ -486,11 +475,10 @@ def main(argv=None):
                    help="override rope_scaling: a number, or 'auto' = length / train length "
                         "(linear position interpolation); default: the checkpoint's")
     p.add_argument("--top-k", type=int, default=None, help="override top_k")
+    p.add_argument("--candidate-tokens", type=int, default=None,
+                   help="override the hierarchical indexer's candidate budget (tokens)")
     p.add_argument("--no-reference", action="store_true",
                    help="skip the independent-window reference (same text, training length)")
-    p.add_argument("--kernel-backend", default=None, choices=["xla", "pallas", "interpret"],
-                   help="default kernel backend for this process (e.g. xla on a GPU without "
-                        "Pallas kernels)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(REPO_ROOT / "results"))
     args = p.parse_args(argv)
@@ -500,8 +488,6 @@ def main(argv=None):
         p.error(f"unknown methods {bad}; choose from {METHODS}")
     if not 0 <= args.probes <= len(PROBE_NAMES):
         p.error(f"--probes must be in [0, {len(PROBE_NAMES)}]")
-    if args.kernel_backend:
-        set_kernel_backend(args.kernel_backend)
     lengths_text = args.lengths or ("256,512" if args.smoke else "8192,16384,32768,65536")
     lengths = [int(x) for x in lengths_text.split(",") if x.strip()]
     if any(L < 2 * PROBE_RESERVE for L in lengths):
@@ -536,6 +522,10 @@ def main(argv=None):
         train_len = int(metadata.get("seq_len", 2048))
     if args.top_k and args.smoke:
         model = with_config(model, model.config.replace(top_k=args.top_k))
+    if args.candidate_tokens:
+        hier = dataclasses.replace(model.config.hierarchical, candidate_tokens=args.candidate_tokens,
+                                   coarse_keep_ratio=None)
+        model = with_config(model, model.config.replace(hierarchical=hier))
     t0 = time.perf_counter()
     results = evaluate(model, corpus.heldout_tokens, lengths, methods=methods, chunk=args.chunk,
                        seed=args.seed, n_probes=args.probes, recall_queries=args.recall_queries,
