@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import bench
+from pallas_kernels import bench, bench_support
 from pallas_kernels.index_scores import index_scores_reference
 from tests.test_kernels_common import indexer_inputs
 
@@ -51,7 +51,7 @@ def test_hierarchical_is_exact_when_candidates_cover_every_visible_block():
 
 def test_pooled_keys_partial_last_block():
     k = jax.random.normal(jax.random.key(0), (10, 4))
-    pooled = bench.pooled_keys(k, 4)
+    pooled = bench_support.pooled_keys(k, 4)
     np.testing.assert_allclose(pooled[2], k[8:].mean(axis=0), rtol=1e-6)
     np.testing.assert_allclose(pooled[0], k[:4].mean(axis=0), rtol=1e-6)
     assert pooled.dtype == jnp.float32
