@@ -7,7 +7,7 @@ For each length L, one sequence: held-out standard-library files (the checkpoint
 concatenated to L tokens, with a few `NAME = "secret"` assignments spliced in near the start.
 
 - bits per byte of each method (dense; sparse with the flat indexer; sparse with the
-  hierarchical indexer when the model build has it), over byte targets, the spliced lines
+  hierarchical indexer), over byte targets, the spliced lines
   left out;
 - greedy next-token agreement and mean KL(P || Q) of the final next-token distributions for
   each pair (dense | sparse_flat, sparse_flat | sparse_hier, dense | sparse_hier);
@@ -64,25 +64,6 @@ def with_config(model, config):
     graphdef, _ = nnx.split(other)
     _, state = nnx.split(model)
     return nnx.merge(graphdef, state)
-
-
-def hierarchical_status(model):
-    """None when the hierarchical indexer runs in this build, else the reason it does not."""
-    from model.attention import select_tokens
-    try:
-        cfg = model.config.replace(indexer="hierarchical")
-    except (ValueError, TypeError) as e:
-        return f"ModelConfig rejects indexer='hierarchical': {e}"
-    d = cfg.index_dim
-    T = 8
-    q = jnp.ones((T, cfg.index_heads, d), jnp.float32)
-    w = jnp.ones((T, cfg.index_heads), jnp.float32)
-    k = jnp.ones((T, d), jnp.float32)
-    try:
-        jax.block_until_ready(select_tokens(cfg, q, w, k, q_offset=0))
-    except (ValueError, NotImplementedError, TypeError, AttributeError) as e:
-        return f"hierarchical selection is not available in this build: {e}"
-    return None
 
 
 # ------------------------------------------------------------------ chunked passes
@@ -296,14 +277,8 @@ def evaluate(model, heldout_tokens, lengths, *, methods=METHODS, chunk=None, see
     """-> results dict (see module docstring)."""
     base_config = model.config
     chunk = chunk or base_config.prefill_chunk
-    hier_reason = hierarchical_status(model) if "sparse_hier" in methods else None
-    skipped = {}
-    if hier_reason is not None:
-        log(f"sparse_hier skipped: {hier_reason}")
-        skipped["sparse_hier"] = hier_reason
-        skipped["recall"] = hier_reason
-    active = [m for m in methods if m not in skipped]
-    results = {"lengths": {}, "skipped": skipped, "methods": active}
+    active = list(methods)
+    results = {"lengths": {}, "methods": active}
     for length in lengths:
         if length > base_config.max_seq_len:
             raise ValueError(f"length {length} > max_seq_len {base_config.max_seq_len}")
@@ -390,7 +365,7 @@ def evaluate(model, heldout_tokens, lengths, *, methods=METHODS, chunk=None, see
 
 
 def to_markdown(results):
-    lines = [f"# dosa long-context evaluation", "",
+    lines = ["# dosa long-context evaluation", "",
              f"Model: {results['model']}. Data: {results['data']}. Device: {results['device']}.",
              f"Long-context method: {results.get('long_context', 'n/a')}", ""]
     lengths = list(results["lengths"])
@@ -449,9 +424,6 @@ def to_markdown(results):
         lines.append(f"| {L} | " + " | ".join(
             f"{p[m]['accuracy']:.2f} (chars {p[m]['char_accuracy']:.2f})" if m in p else "n/a"
             for m in methods) + " |")
-    if results["skipped"]:
-        lines += ["", "## Skipped", ""]
-        lines += [f"- {k}: {v}" for k, v in results["skipped"].items()]
     lines += ["", f"Command: `{results['command']}`", ""]
     return "\n".join(lines)
 

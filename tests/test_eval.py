@@ -82,8 +82,7 @@ def test_smoke_run_writes_json_and_markdown(tmp_path):
     assert "dense" in row["probe"] and row["buckets"]["bits_per_byte"]["dense"]
     md = (tmp_path / "eval.md").read_text()
     assert "Bits per byte" in md and "Retrieval probe" in md
-    # The hierarchical indexer is either evaluated or skipped with a reason.
-    assert "sparse_hier" in results["methods"] or "sparse_hier" in results["skipped"]
+    assert "sparse_hier" in row["methods"] and "sparse_flat|sparse_hier" in row["pairs"]
 
 
 def test_missing_checkpoint_error_names_the_training_command(tmp_path):
