@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from indexer.rope import apply_partial_rope, apply_rope, rope_angles  # noqa: F401  (re-export)
 
 
 class RMSNorm(nnx.Module):
