@@ -36,6 +36,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import yaml
 from flax import nnx
 
 from experiments.checkpoints import default_checkpoint_dir, load_default_model
@@ -447,8 +448,9 @@ def main(argv=None):
                    help="override rope_scaling: a number, or 'auto' = length / train length "
                         "(linear position interpolation); default: the checkpoint's")
     p.add_argument("--top-k", type=int, default=None, help="override top_k")
-    p.add_argument("--candidate-tokens", type=int, default=None,
-                   help="override the hierarchical indexer's candidate budget (tokens)")
+    p.add_argument("--hierarchical", default=None, metavar="FIELD=VALUE,...",
+                   help="override HierarchicalConfig fields, e.g. "
+                        "'candidate_tokens=2816,local_blocks=4'")
     p.add_argument("--no-reference", action="store_true",
                    help="skip the independent-window reference (same text, training length)")
     p.add_argument("--seed", type=int, default=0)
@@ -494,9 +496,10 @@ def main(argv=None):
         train_len = int(metadata.get("seq_len", 2048))
     if args.top_k and args.smoke:
         model = with_config(model, model.config.replace(top_k=args.top_k))
-    if args.candidate_tokens:
-        hier = dataclasses.replace(model.config.hierarchical, candidate_tokens=args.candidate_tokens,
-                                   coarse_keep_ratio=None)
+    if args.hierarchical:
+        fields = dict(item.split("=", 1) for item in args.hierarchical.split(","))
+        hier = dataclasses.replace(model.config.hierarchical,
+                                   **{k.strip(): yaml.safe_load(v) for k, v in fields.items()})
         model = with_config(model, model.config.replace(hierarchical=hier))
     t0 = time.perf_counter()
     results = evaluate(model, corpus.heldout_tokens, lengths, methods=methods, chunk=args.chunk,
