@@ -2,6 +2,7 @@
 
     python -m experiments.bench_indexer [--lengths 8192,16384,32768,65536] [--queries 2048]
     python -m experiments.bench_indexer --smoke          # tiny sizes, seconds (CI)
+    python -m experiments.bench_indexer --real-lengths 16384,32768 --real-queries 1024
 
 Indexer dims of the `small` preset (H_I=4, d_I=64, top_k=256) and its hierarchical config.
 For each context length L both methods select for the same slice of queries: the last
@@ -21,6 +22,8 @@ Inputs (seeded):
   plus 4 "needle" keys in the first half of the context aligned with a direction every
   query carries, so they are in the top_k of most queries while their blocks' means hide
   them.
+- real: the trained model's own indexer inputs on held-out text, every layer, at
+  --real-lengths, with the block-recall ceiling (experiments.bench_indexer_real).
 Also: exact mode (equals flat) on the structured inputs with the fraction of blocks it
 rescored; the FLOP ratio (ideal speedup) and the fraction of it achieved; one decode step
 at --decode-length (one query against cached block summaries, summary append included, vs
@@ -260,6 +263,28 @@ def markdown(result):
     return "\n".join(lines)
 
 
+def real_model_rows(args, config):
+    """The benchmark on the trained model's own indexer inputs (experiments.bench_indexer_real),
+    or None when no lengths are asked for; a note when there is no checkpoint."""
+    lengths = [int(x) for x in args.real_lengths.split(",") if x]
+    if not lengths:
+        return None
+    from experiments.bench_indexer_real import bench_real, markdown_real
+    from experiments.checkpoints import CheckpointMissingError, load_default_model
+    from experiments.data import Corpus
+    try:
+        model, metadata = load_default_model(args.checkpoint)
+    except CheckpointMissingError as e:
+        return {"skipped": str(e), "markdown": f"Real-model inputs skipped: {e}"}
+    if args.smoke:  # budgets below the 1K smoke context
+        config = config.replace(block_size=16, candidate_tokens=model.config.top_k)
+    corpus = Corpus(heldout_fraction=metadata.get("data", {}).get("heldout_fraction", 0.05))
+    rows = bench_real(model, corpus.heldout_tokens, lengths, args, config)
+    return {"checkpoint": str(args.checkpoint or "checkpoints/small"), "config": config.to_dict(),
+            "rows": rows, "markdown": markdown_real(rows, config, args.checkpoint or
+                                                    "checkpoints/small")}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -272,6 +297,11 @@ def main(argv=None):
                    help="also time exact mode on random inputs (slow: it rescores ~all blocks)")
     p.add_argument("--flat-chunk", type=int, default=128,
                    help="flat_topk's query_chunk (128 is its fastest here; its default is 512)")
+    p.add_argument("--real-lengths", default="16384,32768",
+                   help="lengths for the trained model's own indexer inputs ('' = none; "
+                        "skipped with a note when there is no checkpoint)")
+    p.add_argument("--real-queries", type=int, default=1024)
+    p.add_argument("--checkpoint", default=None, help="model directory (default: shipped)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny sizes (tests, CI)")
     p.add_argument("--out", default=str(RESULTS_DIR / "bench_indexer.json"))
@@ -285,6 +315,7 @@ def main(argv=None):
                                     fine_batch_size=64, bound_blocks=1)
         args.lengths, args.queries, args.repeats = "512", 64, 1
         args.decode_length, args.decode_repeats = 512, 2
+        args.real_lengths, args.real_queries = "1024", 32
     lengths = [int(x) for x in args.lengths.split(",") if x]
     result = {"setup": {"H": H, "d": d, "top_k": top_k, "queries": args.queries,
                         "flat_query_chunk": args.flat_chunk,
@@ -297,6 +328,10 @@ def main(argv=None):
     if args.decode_length:
         result["decode"] = bench_decode(args.decode_length, args, H, d, top_k, config)
     table = markdown(result)
+    real = real_model_rows(args, small.hierarchical)
+    if real is not None:
+        result["real"] = real
+        table += "\n\n" + real["markdown"]
     print(table)
     result["markdown"] = table
     out = pathlib.Path(args.out)

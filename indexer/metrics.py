@@ -23,3 +23,18 @@ def iou(selected, reference):
     """Mean over queries of |selected ∩ reference| / |selected ∪ reference| (-1 ignored)."""
     vals = [len(s & r) / len(s | r) for s, r in _row_sets(selected, reference) if s | r]
     return float(np.mean(vals)) if vals else 1.0
+
+
+def block_recall_ceiling(reference, n_blocks, block_size):
+    """The best recall any selection of n_blocks key blocks (of block_size tokens) per query
+    can reach against `reference` (i32[T, K], -1 ignored): per query, the reference tokens
+    in its n_blocks fullest blocks over all of them, averaged like `recall`. It bounds every
+    block-level selector with that budget (the hierarchical indexer with
+    candidate_blocks = n_blocks), whatever its coarse scorer."""
+    vals = []
+    for row in np.asarray(reference):
+        row = row[row >= 0]
+        if row.size:
+            counts = np.sort(np.bincount(row // block_size))[::-1]
+            vals.append(counts[:n_blocks].sum() / row.size)
+    return float(np.mean(vals)) if vals else 1.0

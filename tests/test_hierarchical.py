@@ -196,6 +196,30 @@ def test_recall_on_a_hand_made_example():
     assert bound[0].tolist() == [4, 11, 10, 9]
 
 
+def test_block_recall_ceiling_on_a_hand_made_example():
+    # Blocks of 4. Row 0: reference tokens in blocks 0 (x2), 2 (x1), 5 (x1); row 1: one
+    # token and -1 padding.
+    ref = np.array([[0, 3, 9, 21], [6, -1, -1, -1]])
+    assert indexer.block_recall_ceiling(ref, 1, 4) == pytest.approx((2 / 4 + 1) / 2)
+    assert indexer.block_recall_ceiling(ref, 2, 4) == pytest.approx((3 / 4 + 1) / 2)
+    assert indexer.block_recall_ceiling(ref, 3, 4) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_no_selector_beats_the_block_recall_ceiling(seed):
+    T, L, top_k, B = 24, 300, 16, 8
+    q, w, k = random_indexer_inputs(100 + seed, T, L)
+    q_offset = L - T
+    flat = np.asarray(indexer.flat_topk(q, w, k, top_k, q_offset=q_offset))
+    for blocks in (2, 4, 8):
+        config = HierarchicalConfig(block_size=B, candidate_tokens=blocks * B, query_tile=1,
+                                    fine_batch_size=8, bound_blocks=1)
+        got = np.asarray(indexer.hierarchical_topk(q, w, k, top_k, config, q_offset=q_offset))
+        assert indexer.recall(got, flat) <= indexer.block_recall_ceiling(flat, blocks, B) + 1e-9
+    # With every block allowed the ceiling is 1.
+    assert indexer.block_recall_ceiling(flat, -(-L // B), B) == 1.0
+
+
 def test_coarse_scores_match_brute_force_on_block_means():
     T, L, B = 6, 50, 8
     q, w, k = random_indexer_inputs(2, T, L, H=3)

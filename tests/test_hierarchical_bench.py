@@ -17,5 +17,14 @@ def test_bench_indexer_smoke(tmp_path, capsys):
             assert r["flat_s"] > 0 and r["hierarchical_s"] > 0 and 0 <= r["recall"] <= 1
         assert row["structured"]["exact_equals_flat"]
     assert saved["decode"]["flat_s"] > 0 and saved["decode"]["hierarchical_s"] > 0
+    # The shipped model's own indexer inputs (1K tokens): every budget's recall is at most
+    # the block ceiling; the largest budget covers the whole context; exact mode equals flat.
+    real = saved["real"]
+    (row,) = real["rows"]
+    assert row["length"] == 1024 and len(row["layers"]) == 4 and row["exact_equals_flat"]
+    for tokens, b in row["budgets"].items():
+        assert 0 < b["recall"] <= b["ceiling"] + 1e-9 and b["hierarchical_s"] > 0
+    assert row["budgets"]["1024"]["ceiling"] == 1.0
     printed = capsys.readouterr().out
     assert "| L | input | flat s | hier s | speedup |" in printed and "Decode step" in printed
+    assert "Trained model's own indexer inputs" in printed
