@@ -368,7 +368,9 @@ def evaluate(model, heldout_tokens, lengths, *, methods=METHODS, chunk=None, see
 def to_markdown(results):
     lines = ["# dosa long-context evaluation", "",
              f"Model: {results['model']}. Data: {results['data']}. Device: {results['device']}.",
-             f"Long-context method: {results.get('long_context', 'n/a')}", ""]
+             f"Long-context method: {results.get('long_context', 'n/a')}",
+             f"Indexer position interpolation (index_rope_scaling): "
+             f"{results.get('config', {}).get('index_rope_scaling')}", ""]
     lengths = list(results["lengths"])
     methods = results["methods"]
     has_ref = all("reference" in results["lengths"][L] for L in lengths) and lengths
@@ -447,6 +449,9 @@ def main(argv=None):
     p.add_argument("--rope-scaling", default=None,
                    help="override rope_scaling: a number, or 'auto' = length / train length "
                         "(linear position interpolation); default: the checkpoint's")
+    p.add_argument("--index-rope-scaling", default=None, metavar="S",
+                   help="override index_rope_scaling (the indexer's own position "
+                        "interpolation factor), a number or 'none' (= rope_scaling)")
     p.add_argument("--top-k", type=int, default=None, help="override top_k")
     p.add_argument("--hierarchical", default=None, metavar="FIELD=VALUE,...",
                    help="override HierarchicalConfig fields, e.g. "
@@ -501,6 +506,10 @@ def main(argv=None):
         hier = dataclasses.replace(model.config.hierarchical,
                                    **{k.strip(): yaml.safe_load(v) for k, v in fields.items()})
         model = with_config(model, model.config.replace(hierarchical=hier))
+    if args.index_rope_scaling is not None:
+        value = args.index_rope_scaling.strip().lower()
+        model = with_config(model, model.config.replace(
+            index_rope_scaling=None if value == "none" else float(value)))
     t0 = time.perf_counter()
     results = evaluate(model, corpus.heldout_tokens, lengths, methods=methods, chunk=args.chunk,
                        seed=args.seed, n_probes=args.probes, recall_queries=args.recall_queries,

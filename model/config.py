@@ -32,6 +32,10 @@ class ModelConfig:
     max_seq_len: int = 65536
     rope_theta: float = 10000.0
     rope_scaling: float = 1.0  # position interpolation factor for contexts longer than training
+    # The indexer's own factor (None: rope_scaling). Its top-k follows its rotary scores,
+    # which alias at distances never seen in training; interpolating only the indexer keeps
+    # them in range while the main attention stays exact (experiments/README.md).
+    index_rope_scaling: float | None = None
     norm_eps: float = 1e-6
     index_heads: int = 4
     index_dim: int = 64
@@ -60,6 +64,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"ModelConfig.{name} must be a positive number, got {value!r}")
+        if self.index_rope_scaling is not None and (
+                isinstance(self.index_rope_scaling, bool)
+                or not isinstance(self.index_rope_scaling, (int, float))
+                or self.index_rope_scaling <= 0):
+            raise ValueError(f"ModelConfig.index_rope_scaling must be None or a positive number, "
+                             f"got {self.index_rope_scaling!r}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of "
                              f"n_kv_heads ({self.n_kv_heads})")
@@ -83,6 +93,11 @@ class ModelConfig:
 
     def replace(self, **changes):
         return dataclasses.replace(self, **changes)
+
+    @property
+    def indexer_rope_scaling(self):
+        """The position interpolation factor the indexer's RoPE uses."""
+        return self.rope_scaling if self.index_rope_scaling is None else self.index_rope_scaling
 
     def to_dict(self):
         """Plain JSON-able dict; `hierarchical` becomes a nested dict."""

@@ -54,7 +54,8 @@ class DecoderBlock(nnx.Module):
         self.attn = Attention(config, rngs=rngs, dtype=dtype)
         self.indexer = LightningIndexer(config.d_model, config.index_heads, config.index_dim,
                                         config.index_rope_dim, rope_theta=config.rope_theta,
-                                        rope_scaling=config.rope_scaling, dtype=dtype, rngs=rngs)
+                                        rope_scaling=config.indexer_rope_scaling, dtype=dtype,
+                                        rngs=rngs)
         self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.d_ff, dtype=dtype, rngs=rngs)
 

@@ -20,6 +20,7 @@ def test_presets_are_valid():
     ("indexer", "magic", "indexer must be one of"),
     ("vocab_size", 100, "vocab_size must be >= 259"),
     ("rope_scaling", -1.0, "rope_scaling must be a positive number"),
+    ("index_rope_scaling", 0.0, "index_rope_scaling must be None or a positive number"),
     ("top_k", 2.5, "top_k must be a positive int"),
 ])
 def test_bad_configs_are_rejected_with_the_field_named(field, value, message):
