@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.eval import ChunkedModel
+from experiments.chunked import ChunkedModel
 from model.runner import length_bucket
 
 

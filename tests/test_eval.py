@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from experiments import chunked
 from experiments import eval as ev
 from experiments.checkpoints import (CheckpointMissingError, default_checkpoint_dir,
                                      has_checkpoint, load_default_model)
@@ -32,18 +33,18 @@ def _tokens(n, seed=0):
 
 @pytest.mark.parametrize("attention", ["dense", "sparse"])
 def test_chunked_logprobs_equal_the_full_forward(tiny_model, attention):
-    model = ev.with_config(tiny_model, tiny_model.config.replace(attention=attention))
+    model = chunked.with_config(tiny_model, tiny_model.config.replace(attention=attention))
     toks = _tokens(200)
     full = jax.nn.log_softmax(model.forward(jnp.asarray(toks)), axis=-1)
-    lp, _, _ = ev.ChunkedModel(model, chunk=64).logprobs(toks)
+    lp, _, _ = chunked.ChunkedModel(model, chunk=64).logprobs(toks)
     np.testing.assert_allclose(lp, full, atol=2e-4)
 
 
 def test_recall_collection_against_itself_is_perfect(tiny_model):
-    model = ev.with_config(tiny_model, tiny_model.config.replace(attention="sparse"))
+    model = chunked.with_config(tiny_model, tiny_model.config.replace(attention="sparse"))
     toks = _tokens(160, seed=1)
-    plain, _, _ = ev.ChunkedModel(model, chunk=64).logprobs(toks)
-    runner = ev.ChunkedModel(model, chunk=64, recall_config=model.config.replace(indexer="flat"))
+    plain, _, _ = chunked.ChunkedModel(model, chunk=64).logprobs(toks)
+    runner = chunked.ChunkedModel(model, chunk=64, recall_config=model.config.replace(indexer="flat"))
     lp, _, (flat, other) = runner.logprobs(toks, collect_from=100)
     np.testing.assert_allclose(lp, plain, atol=1e-5)
     assert flat.shape == (2, 60, model.config.top_k)
