@@ -4,7 +4,8 @@
                                [--methods dense,sparse_flat,sparse_hier] [--smoke] [--out DIR]
 
 For each length L, one sequence: held-out standard-library files (the checkpoint's split)
-concatenated to L tokens, with a few `NAME = "secret"` assignments spliced in near the start.
+concatenated to L tokens, with a few `NAME = "word_word"` assignments spliced in near the
+start.
 
 - bits per byte of each method (dense; sparse with the flat indexer; sparse with the
   hierarchical indexer), over byte targets, the spliced lines
@@ -14,8 +15,9 @@ concatenated to L tokens, with a few `NAME = "secret"` assignments spliced in ne
 - recall and IoU of the hierarchical selection against the flat one, per layer, on the
   model's own indexer inputs (the sparse-flat pass's residual stream) for the last
   --recall-queries query positions;
-- retrieval probe: after the context (its first L - 64 tokens), `\\nNAME = "` is appended and
-  the continuation decoded greedily; accuracy = exact matches of the secret per length.
+- retrieval probe (experiments/probe.py): after the context (its first L - 64 tokens),
+  `\\nNAME = "` is appended; the assigned secret is ranked against unseen distractors
+  (teacher forced), with the bits-per-character gain and greedy exact match.
 
 Logits come from a chunked full-sequence pass over the model's own KV + indexer-key cache
 (chunk c reads keys up to a power-of-two bucket of its end), so no [L, L] matrix is ever
@@ -29,7 +31,6 @@ import json
 import math
 import pathlib
 import platform
-import string
 import sys
 import time
 
@@ -41,15 +42,14 @@ from flax import nnx
 
 from experiments.checkpoints import default_checkpoint_dir, load_default_model
 from experiments.chunked import ChunkedModel, with_config
-from experiments.data import Corpus, eval_sequence, file_list_digest
+from experiments.data import Corpus, file_list_digest
+from experiments.probe import PROBE_NAMES, PROBE_RESERVE, build_sequence, distractors, run_probe
 from model.config import get_config
 from model.transformer import Transformer
 
 from experiments.common import REPO_ROOT  # noqa: E402
 METHODS = ("dense", "sparse_flat", "sparse_hier")
 PAIRS = (("dense", "sparse_flat"), ("sparse_flat", "sparse_hier"), ("dense", "sparse_hier"))
-PROBE_NAMES = ("SECRET_KEY", "API_TOKEN", "SESSION_ID", "BUILD_TAG")
-PROBE_RESERVE = 64
 LN2 = math.log(2.0)
 
 
@@ -57,34 +57,6 @@ def method_overrides(method):
     return {"dense": dict(attention="dense"),
             "sparse_flat": dict(attention="sparse", indexer="flat"),
             "sparse_hier": dict(attention="sparse", indexer="hierarchical")}[method]
-
-
-# ------------------------------------------------------------------ inputs
-
-def random_secret(rng, n=6):
-    alphabet = string.ascii_lowercase + string.digits
-    return "".join(rng.choice(list(alphabet), size=n))
-
-
-def build_sequence(heldout_tokens, length, *, seed, n_probes):
-    """-> (tokens int32[length], byte-target mask bool[length], probes [(name, secret)]).
-
-    Held-out text from the stream's start, with `NAME = "secret"` lines spliced in at the
-    first line break after token 64; mask is False on the spliced bytes and on BOS/EOS."""
-    rng = np.random.default_rng([seed, length])
-    probes = [(name, random_secret(rng)) for name in PROBE_NAMES[:n_probes]]
-    insert = "".join(f'{name} = "{secret}"\n' for name, secret in probes).encode()
-    insert_ids = np.frombuffer(insert, np.uint8).astype(np.int32)
-    if len(insert_ids) + 16 > length - PROBE_RESERVE:
-        insert_ids, probes = insert_ids[:0], []
-    base = eval_sequence(heldout_tokens, length - len(insert_ids))
-    newlines = np.nonzero(base[64:] == ord("\n"))[0]
-    at = 64 + int(newlines[0]) + 1 if newlines.size else 64
-    at = min(at, max(1, (length - PROBE_RESERVE) // 4))
-    tokens = np.concatenate([base[:at], insert_ids, base[at:]]).astype(np.int32)
-    mask = (tokens < 256)
-    mask[at:at + len(insert_ids)] = False
-    return tokens, mask, probes
 
 
 def target_nll(logprobs, tokens):
@@ -162,10 +134,40 @@ def selection_metrics(flat, other):
             "iou_mean": round(float(np.mean([x["iou"] for x in layers])), 6)}
 
 
+def full_pass(runner, tokens, split, collect_from):
+    """Log-probs (and selections) of the whole sequence, read in two calls so that the
+    cache can be copied at `split` (the end of the probe's context): appending the probe
+    over a cache that already holds later tokens would count them twice in the block
+    summaries. -> (log-probs f32[L, V], selections or None, cache copy at split or None)."""
+    cache = runner.new_cache(len(tokens))
+    lp_a, cache, sel_a = runner.logprobs(tokens[:split], cache=cache, collect_from=collect_from)
+    snapshot = jax.tree.map(jnp.copy, cache) if split < len(tokens) else None
+    lp_b, cache, sel_b = runner.logprobs(tokens[split:], cache=cache, start=split,
+                                         collect_from=collect_from)
+    parts = [s for s in (sel_a, sel_b) if s is not None]
+    sel = None if not parts else tuple(np.concatenate(x, axis=1) for x in zip(*parts))
+    return np.concatenate([lp_a, lp_b]), sel, snapshot
+
+
+def probe_method(runner, cache, start, probes, distractor_sets):
+    """experiments.probe.run_probe over a copy of `cache` per candidate (read from `start`),
+    against the same candidates read with no context."""
+    def score(ids):
+        return runner.logprobs(ids, cache=jax.tree.map(jnp.copy, cache), start=start)[0]
+
+    def prior(ids):
+        return runner.logprobs(ids)[0]
+
+    def greedy(prompt, n):
+        return runner.greedy(prompt, jax.tree.map(jnp.copy, cache), start, n)
+
+    return run_probe(score, prior, greedy, probes, distractor_sets)
+
+
 # ------------------------------------------------------------------ the evaluation
 
 def evaluate(model, heldout_tokens, lengths, *, methods=METHODS, chunk=None, seed=0,
-             n_probes=4, recall_queries=1024, rope_scaling=None, train_len=None,
+             n_probes=4, n_distractors=7, recall_queries=1024, rope_scaling=None, train_len=None,
              reference_window=None, log=print):
     """-> results dict (see module docstring)."""
     base_config = model.config
@@ -182,6 +184,8 @@ def evaluate(model, heldout_tokens, lengths, *, methods=METHODS, chunk=None, see
             scaling = float(rope_scaling)
         tokens, mask, probes = build_sequence(heldout_tokens, length, seed=seed,
                                               n_probes=n_probes)
+        probe_distractors = distractors(tokens, probes, n_distractors, seed=seed)
+        ctx_end = length - PROBE_RESERVE
         row = {"tokens": length, "rope_scaling": scaling, "methods": {}, "pairs": {},
                "probe": {}}
         logprobs = {}
@@ -205,7 +209,7 @@ def evaluate(model, heldout_tokens, lengths, *, methods=METHODS, chunk=None, see
             t0 = time.perf_counter()
             collect_from = max(0, length - recall_queries) if recall_cfg is not None else None
             try:
-                lp, cache, sel = runner.logprobs(tokens, collect_from=collect_from)
+                lp, sel, probe_cache = full_pass(runner, tokens, ctx_end, collect_from)
             except Exception as e:  # noqa: BLE001 - a method that cannot run is reported
                 if recall_cfg is None:
                     raise
@@ -213,7 +217,7 @@ def evaluate(model, heldout_tokens, lengths, *, methods=METHODS, chunk=None, see
                     "sparse_flat without it")
                 row["recall_error"] = f"{type(e).__name__}: {e}"
                 runner = ChunkedModel(with_config(model, cfg), chunk=chunk)
-                lp, cache, sel = runner.logprobs(tokens)
+                lp, sel, probe_cache = full_pass(runner, tokens, ctx_end, None)
             wall = time.perf_counter() - t0
             nll = target_nll(lp, tokens)
             bpb, count = masked_bpb(nll, mask)
@@ -227,34 +231,27 @@ def evaluate(model, heldout_tokens, lengths, *, methods=METHODS, chunk=None, see
             if sel is not None:
                 row["recall"] = selection_metrics(*sel)
             logprobs[method] = lp
-            answers = []
-            ctx_end = length - PROBE_RESERVE
-            for name, secret in probes:
-                prompt = np.frombuffer(f'\n{name} = "'.encode(), np.uint8).astype(np.int32)
-                branch = jax.tree.map(jnp.copy, cache)
-                out = runner.greedy(prompt, branch, ctx_end, len(secret))
-                got = bytes(t for t in out if 0 <= t < 256).decode("utf-8", errors="replace")
-                answers.append({"name": name, "secret": secret, "answer": got,
-                                "correct": got == secret,
-                                "char_accuracy": sum(a == b for a, b in zip(got, secret))
-                                / len(secret)})
-            if answers:
-                row["probe"][method] = {
-                    "accuracy": float(np.mean([a["correct"] for a in answers])),
-                    "char_accuracy": round(float(np.mean([a["char_accuracy"]
-                                                          for a in answers])), 4),
-                    "answers": answers}
+            if probes:
+                row["probe"][method] = probe_method(runner, probe_cache, ctx_end, probes,
+                                                    probe_distractors)
+            del probe_cache
             log(f"L={length} {method}: bpb {row['methods'][method]['bits_per_byte']:.4f} "
                 f"(last quarter {row['methods'][method]['bits_per_byte_last_quarter']:.4f}), "
-                f"probe {row['probe'].get(method, {}).get('accuracy')} "
+                f"probe {_probe_text(row['probe'].get(method))} "
                 f"[{wall:.1f}s]" + (f", recall {row['recall']['recall_mean']:.4f} IoU "
                                     f"{row['recall']['iou_mean']:.4f}" if sel is not None else ""))
-            del cache
         for a, b in PAIRS:
             if a in logprobs and b in logprobs:
                 row["pairs"][f"{a}|{b}"] = pair_metrics(logprobs[a], logprobs[b])
         results["lengths"][str(length)] = row
     return results
+
+
+def _probe_text(p):
+    if not p:
+        return "n/a"
+    return (f"{p['accuracy']:.2f} (gain {p['gain_bits_per_char']:+.2f} bits/char, "
+            f"exact {p['exact']:.2f})")
 
 
 def to_markdown(results):
@@ -312,13 +309,18 @@ def to_markdown(results):
                                  f"| {x['iou']:.4f} |")
                 lines.append(f"| {L} | {rec['queries']} | mean | {rec['recall_mean']:.4f} | "
                              f"{rec['iou_mean']:.4f} |")
-    lines += ["", "## Retrieval probe (greedy continuation of `NAME = \"`)", "",
-              "| tokens | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
+    chance = next((p["chance"] for L in lengths for p in results["lengths"][L]["probe"].values()
+                   if p), None)
+    lines += ["", "## Retrieval probe", "",
+              "`NAME = \"word_word\"` defined near the start, asked for at the end "
+              "(experiments/probe.py): share of probes whose secret the context lifts more than "
+              f"every distractor (chance {chance}); gain = the secret's lift minus the distractors' in "
+              "bits per character (lift: bits saved by the context; ~0 when the definition is "
+              "not used); exact = greedy continuation equals the secret.",
+              "", "| tokens | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
     for L in lengths:
         p = results["lengths"][L]["probe"]
-        lines.append(f"| {L} | " + " | ".join(
-            f"{p[m]['accuracy']:.2f} (chars {p[m]['char_accuracy']:.2f})" if m in p else "n/a"
-            for m in methods) + " |")
+        lines.append(f"| {L} | " + " | ".join(_probe_text(p.get(m)) for m in methods) + " |")
     lines += ["", f"Command: `{results['command']}`", ""]
     return "\n".join(lines)
 
@@ -335,7 +337,10 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true",
                    help="tiny random-initialised model, small lengths: tests the pipeline")
     p.add_argument("--chunk", type=int, default=None, help="prefill chunk (default: config)")
-    p.add_argument("--probes", type=int, default=4, help="secrets per sequence (<= 4)")
+    p.add_argument("--probes", type=int, default=len(PROBE_NAMES),
+                   help=f"secrets per sequence, 0..{len(PROBE_NAMES)}")
+    p.add_argument("--distractors", type=int, default=7,
+                   help="unseen candidate secrets each secret is ranked against (>= 1)")
     p.add_argument("--recall-queries", type=int, default=1024,
                    help="last query positions on which hierarchical-vs-flat recall is measured")
     p.add_argument("--rope-scaling", default=None,
@@ -358,7 +363,9 @@ def main(argv=None):
     if bad:
         p.error(f"unknown methods {bad}; choose from {METHODS}")
     if not 0 <= args.probes <= len(PROBE_NAMES):
-        p.error(f"--probes must be in [0, {len(PROBE_NAMES)}]")
+        p.error(f"--probes must be in [0, {len(PROBE_NAMES)}], got {args.probes}")
+    if args.distractors < 1:
+        p.error(f"--distractors must be >= 1, got {args.distractors}")
     lengths_text = args.lengths or ("256,512" if args.smoke else "8192,16384,32768,65536")
     lengths = [int(x) for x in lengths_text.split(",") if x.strip()]
     if any(L < 2 * PROBE_RESERVE for L in lengths):
@@ -404,7 +411,8 @@ def main(argv=None):
             index_rope_scaling=None if value == "none" else float(value)))
     t0 = time.perf_counter()
     results = evaluate(model, corpus.heldout_tokens, lengths, methods=methods, chunk=args.chunk,
-                       seed=args.seed, n_probes=args.probes, recall_queries=args.recall_queries,
+                       seed=args.seed, n_probes=args.probes,
+                       n_distractors=args.distractors, recall_queries=args.recall_queries,
                        rope_scaling=args.rope_scaling, train_len=train_len,
                        reference_window=None if args.no_reference else train_len)
     d = jax.devices()[0]

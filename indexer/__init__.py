@@ -6,11 +6,12 @@ from indexer.hierarchical import (
     coarse_block_scores, fine_topk, hierarchical_topk, hierarchical_topk_with_stats,
     select_candidate_blocks,
 )
-from indexer.metrics import block_recall_ceiling, iou, recall
+from indexer.metrics import block_recall_ceiling, iou, recall, topk_block_fraction
 from indexer.module import LightningIndexer
 from indexer.scoring import flat_topk, index_scores, topk_indices
 
 __all__ = ["BlockSummaryCache", "HierarchicalConfig", "LightningIndexer", "append",
-           "block_recall_ceiling", "block_summaries", "coarse_block_scores", "empty_summaries", "fine_topk", "flat_topk",
+           "block_recall_ceiling", "block_summaries", "coarse_block_scores", "empty_summaries",
+           "fine_topk", "flat_topk",
            "hierarchical_topk", "hierarchical_topk_with_stats", "index_scores", "iou", "recall",
-           "select_candidate_blocks", "topk_indices"]
+           "select_candidate_blocks", "topk_block_fraction", "topk_indices"]

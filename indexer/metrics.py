@@ -38,3 +38,16 @@ def block_recall_ceiling(reference, n_blocks, block_size):
             counts = np.sort(np.bincount(row // block_size))[::-1]
             vals.append(counts[:n_blocks].sum() / row.size)
     return float(np.mean(vals)) if vals else 1.0
+
+
+def topk_block_fraction(reference, block_size, q_positions):
+    """Share of (query, visible key block) pairs whose block holds at least one of the
+    query's `reference` tokens (i32[T, K], -1 ignored); a block is visible when it starts at
+    or before the query's position (q_positions int[T]). Summed over queries before
+    dividing, like the exact mode's scored_fraction: exact mode must score every such block,
+    so this is the least scored_fraction it can reach, however tight its bounds."""
+    holding = visible = 0
+    for row, pos in zip(np.asarray(reference), np.asarray(q_positions)):
+        holding += np.unique(row[row >= 0] // block_size).size
+        visible += int(pos) // block_size + 1
+    return holding / max(visible, 1)

@@ -64,23 +64,16 @@ def test_pair_metrics_and_bpb_helpers():
     assert ev.position_buckets(1000, 128) == [(0, 128), (128, 256), (256, 512), (512, 1000)]
 
 
-def test_probe_sequence_has_secrets_near_the_start():
-    corpus = Corpus(heldout_fraction=0.2, max_files=60)
-    toks, mask, probes = ev.build_sequence(corpus.heldout_tokens, 1024, seed=0, n_probes=2)
-    assert toks.shape == (1024,) and len(probes) == 2
-    text = bytes(t for t in toks[:400] if t < 256).decode("utf-8", "replace")
-    for name, secret in probes:
-        assert f'{name} = "{secret}"' in text
-    assert (~mask).sum() >= sum(len(n) + len(s) + 6 for n, s in probes)
-
-
 def test_smoke_run_writes_json_and_markdown(tmp_path):
     results = ev.main(["--smoke", "--lengths", "256", "--probes", "1", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "eval.json").read_text())
     assert saved["lengths"]["256"]["methods"]["dense"]["bits_per_byte"] > 0
     row = results["lengths"]["256"]
     assert "dense|sparse_flat" in row["pairs"] and "reference" in row
-    assert "dense" in row["probe"] and row["buckets"]["bits_per_byte"]["dense"]
+    assert row["buckets"]["bits_per_byte"]["dense"]
+    probe = row["probe"]["sparse_hier"]
+    assert probe["chance"] == 0.125 and len(probe["probes"]) == 1
+    assert np.isfinite(probe["gain_bits_per_char"])
     md = (tmp_path / "eval.md").read_text()
     assert "Bits per byte" in md and "Retrieval probe" in md
     assert "sparse_hier" in row["methods"] and "sparse_flat|sparse_hier" in row["pairs"]

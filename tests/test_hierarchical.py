@@ -52,6 +52,8 @@ def test_exact_mode_equals_flat_on_random_inputs(T, L, top_k, q_offset, kw):
         q, w, k, top_k, cfg(exact=True, **kw), q_offset=q_offset)
     assert_equals_flat_topk(got, q, w, k, top_k, q_offset)
     assert 0.0 <= float(stats["rescored_fraction"]) <= float(stats["scored_fraction"]) <= 1.0
+    floor = indexer.topk_block_fraction(got, cfg(**kw).block_size, q_offset + np.arange(T))
+    assert floor <= float(stats["scored_fraction"]) + 1e-6
 
 
 def _needle_inputs(seed=0, T=8, L=96, d=16, H=2, far=21):
@@ -203,6 +205,13 @@ def test_block_recall_ceiling_on_a_hand_made_example():
     assert indexer.block_recall_ceiling(ref, 1, 4) == pytest.approx((2 / 4 + 1) / 2)
     assert indexer.block_recall_ceiling(ref, 2, 4) == pytest.approx((3 / 4 + 1) / 2)
     assert indexer.block_recall_ceiling(ref, 3, 4) == pytest.approx(1.0)
+
+
+def test_topk_block_fraction_on_a_hand_made_example():
+    # Blocks of 4. Query at position 21 (6 visible blocks) holds tokens in blocks 0, 2, 5;
+    # query at position 7 (2 visible blocks) one token in block 1.
+    ref = np.array([[0, 3, 9, 21], [6, -1, -1, -1]])
+    assert indexer.topk_block_fraction(ref, 4, [21, 7]) == pytest.approx((3 + 1) / (6 + 2))
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -8,7 +8,8 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments.train import Trainer, load_config, main
+from experiments.train import Trainer, main
+from experiments.train_config import load_config
 from model import restore_checkpoint
 from model.checkpoint import read_config
 
