@@ -43,8 +43,10 @@ from flax import nnx
 from experiments.checkpoints import default_checkpoint_dir, load_default_model
 from experiments.chunked import ChunkedModel, with_config
 from experiments.data import Corpus, file_list_digest
+from experiments.eval_report import probe_text, to_markdown
 from experiments.probe import PROBE_NAMES, PROBE_RESERVE, build_sequence, distractors, run_probe
 from model.config import get_config
+from model.tokenizer import BOS
 from model.transformer import Transformer
 
 from experiments.common import REPO_ROOT  # noqa: E402
@@ -138,10 +140,10 @@ def full_pass(runner, tokens, split, collect_from):
     """Log-probs (and selections) of the whole sequence, read in two calls so that the
     cache can be copied at `split` (the end of the probe's context): appending the probe
     over a cache that already holds later tokens would count them twice in the block
-    summaries. -> (log-probs f32[L, V], selections or None, cache copy at split or None)."""
+    summaries. -> (log-probs f32[L, V], selections or None, cache copy at split)."""
     cache = runner.new_cache(len(tokens))
     lp_a, cache, sel_a = runner.logprobs(tokens[:split], cache=cache, collect_from=collect_from)
-    snapshot = jax.tree.map(jnp.copy, cache) if split < len(tokens) else None
+    snapshot = jax.tree.map(jnp.copy, cache)
     lp_b, cache, sel_b = runner.logprobs(tokens[split:], cache=cache, start=split,
                                          collect_from=collect_from)
     parts = [s for s in (sel_a, sel_b) if s is not None]
@@ -155,8 +157,8 @@ def probe_method(runner, cache, start, probes, distractor_sets):
     def score(ids):
         return runner.logprobs(ids, cache=jax.tree.map(jnp.copy, cache), start=start)[0]
 
-    def prior(ids):
-        return runner.logprobs(ids)[0]
+    def prior(ids):  # after BOS, as every sequence starts
+        return runner.logprobs(np.concatenate([[BOS], ids]))[0][1:]
 
     def greedy(prompt, n):
         return runner.greedy(prompt, jax.tree.map(jnp.copy, cache), start, n)
@@ -167,8 +169,8 @@ def probe_method(runner, cache, start, probes, distractor_sets):
 # ------------------------------------------------------------------ the evaluation
 
 def evaluate(model, heldout_tokens, lengths, *, methods=METHODS, chunk=None, seed=0,
-             n_probes=4, n_distractors=7, recall_queries=1024, rope_scaling=None, train_len=None,
-             reference_window=None, log=print):
+             n_probes=len(PROBE_NAMES), n_distractors=7, recall_queries=1024,
+             rope_scaling=None, train_len=None, reference_window=None, log=print):
     """-> results dict (see module docstring)."""
     base_config = model.config
     chunk = chunk or base_config.prefill_chunk
@@ -237,7 +239,7 @@ def evaluate(model, heldout_tokens, lengths, *, methods=METHODS, chunk=None, see
             del probe_cache
             log(f"L={length} {method}: bpb {row['methods'][method]['bits_per_byte']:.4f} "
                 f"(last quarter {row['methods'][method]['bits_per_byte_last_quarter']:.4f}), "
-                f"probe {_probe_text(row['probe'].get(method))} "
+                f"probe {probe_text(row['probe'].get(method))} "
                 f"[{wall:.1f}s]" + (f", recall {row['recall']['recall_mean']:.4f} IoU "
                                     f"{row['recall']['iou_mean']:.4f}" if sel is not None else ""))
         for a, b in PAIRS:
@@ -245,84 +247,6 @@ def evaluate(model, heldout_tokens, lengths, *, methods=METHODS, chunk=None, see
                 row["pairs"][f"{a}|{b}"] = pair_metrics(logprobs[a], logprobs[b])
         results["lengths"][str(length)] = row
     return results
-
-
-def _probe_text(p):
-    if not p:
-        return "n/a"
-    return (f"{p['accuracy']:.2f} (gain {p['gain_bits_per_char']:+.2f} bits/char, "
-            f"exact {p['exact']:.2f})")
-
-
-def to_markdown(results):
-    lines = ["# dosa long-context evaluation", "",
-             f"Model: {results['model']}. Data: {results['data']}. Device: {results['device']}.",
-             f"Long-context method: {results.get('long_context', 'n/a')}",
-             f"Indexer position interpolation (index_rope_scaling): "
-             f"{results.get('config', {}).get('index_rope_scaling')}", ""]
-    lengths = list(results["lengths"])
-    methods = results["methods"]
-    has_ref = all("reference" in results["lengths"][L] for L in lengths) and lengths
-    ref_head = " | reference: same text in independent training-length windows" if has_ref else ""
-    lines += ["## Bits per byte (held-out stdlib text)", "",
-              "| tokens | " + " | ".join(methods) + ref_head + " |",
-              "|---:|" + "---:|" * (len(methods) + bool(has_ref))]
-    for L in lengths:
-        r = results["lengths"][L]["methods"]
-        ref = (f" | {results['lengths'][L]['reference']['bits_per_byte']:.4f}" if has_ref else "")
-        lines.append(f"| {L} | " + " | ".join(f"{r[m]['bits_per_byte']:.4f}" for m in methods)
-                     + ref + " |")
-    if lengths:
-        L = lengths[-1]
-        b = results["lengths"][L]["buckets"]
-        cols = list(b["bits_per_byte"])
-        lines += ["", f"By target position, {L}-token sequence (does bpb grow with distance "
-                      "from the start? compare with the reference column):", "",
-                  "| positions | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
-        for i, (lo, hi) in enumerate(b["edges"]):
-            lines.append(f"| {lo}-{hi} | " + " | ".join(
-                f"{b['bits_per_byte'][c][i]:.4f}" if b["bits_per_byte"][c][i] is not None
-                else "n/a" for c in cols) + " |")
-    lines += ["", "Last quarter of each sequence only:", "",
-              "| tokens | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
-    for L in lengths:
-        r = results["lengths"][L]["methods"]
-        lines.append(f"| {L} | " + " | ".join(
-            f"{r[m]['bits_per_byte_last_quarter']:.4f}" for m in methods) + " |")
-    pairs = sorted({p for L in lengths for p in results["lengths"][L]["pairs"]})
-    if pairs:
-        lines += ["", "## Agreement of final next-token distributions", "",
-                  "| tokens | pair | greedy agreement | mean KL (nats) | max KL |",
-                  "|---:|---|---:|---:|---:|"]
-        for L in lengths:
-            for p, v in results["lengths"][L]["pairs"].items():
-                lines.append(f"| {L} | {p.replace('|', ' vs ')} | {v['agreement']:.4f} | "
-                             f"{v['kl_mean']:.3e} | {v['kl_max']:.3e} |")
-    if any("recall" in results["lengths"][L] for L in lengths):
-        lines += ["", "## Hierarchical vs flat selection (model's own indexer inputs)", "",
-                  "| tokens | queries | layer | recall | IoU |", "|---:|---:|---:|---:|---:|"]
-        for L in lengths:
-            rec = results["lengths"][L].get("recall")
-            if rec:
-                for x in rec["layers"]:
-                    lines.append(f"| {L} | {rec['queries']} | {x['layer']} | {x['recall']:.4f} "
-                                 f"| {x['iou']:.4f} |")
-                lines.append(f"| {L} | {rec['queries']} | mean | {rec['recall_mean']:.4f} | "
-                             f"{rec['iou_mean']:.4f} |")
-    chance = next((p["chance"] for L in lengths for p in results["lengths"][L]["probe"].values()
-                   if p), None)
-    lines += ["", "## Retrieval probe", "",
-              "`NAME = \"word_word\"` defined near the start, asked for at the end "
-              "(experiments/probe.py): share of probes whose secret the context lifts more than "
-              f"every distractor (chance {chance}); gain = the secret's lift minus the distractors' in "
-              "bits per character (lift: bits saved by the context; ~0 when the definition is "
-              "not used); exact = greedy continuation equals the secret.",
-              "", "| tokens | " + " | ".join(methods) + " |", "|---:|" + "---:|" * len(methods)]
-    for L in lengths:
-        p = results["lengths"][L]["probe"]
-        lines.append(f"| {L} | " + " | ".join(_probe_text(p.get(m)) for m in methods) + " |")
-    lines += ["", f"Command: `{results['command']}`", ""]
-    return "\n".join(lines)
 
 
 def main(argv=None):

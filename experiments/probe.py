@@ -25,6 +25,7 @@ the definition lies a few hundred tokens back).
 import numpy as np
 
 from experiments.data import eval_sequence
+from model.tokenizer import decode, encode
 
 PROBE_NAMES = ("SECRET_KEY", "API_TOKEN", "SESSION_ID", "BUILD_TAG", "CACHE_DIR",
                "USER_NAME", "HOST_LABEL", "QUEUE_NAME")
@@ -54,8 +55,8 @@ def build_sequence(heldout_tokens, length, *, seed, n_probes):
         if s not in secrets:
             secrets.append(s)
     probes = list(zip(PROBE_NAMES[:n_probes], secrets))
-    insert = "".join(f'{name} = "{secret}"\n' for name, secret in probes).encode()
-    insert_ids = np.frombuffer(insert, np.uint8).astype(np.int32)
+    insert = "".join(f'{name} = "{secret}"\n' for name, secret in probes)
+    insert_ids = np.asarray(encode(insert, bos=False), np.int32)
     if len(insert_ids) + 16 > length - PROBE_RESERVE:
         insert_ids, probes = insert_ids[:0], []
     base = eval_sequence(heldout_tokens, length - len(insert_ids))
@@ -72,11 +73,14 @@ def distractors(tokens, probes, n, *, seed):
     """n secrets per probe, of the probes' form but made of words no probe's secret uses (a
     model that copies any word of the definitions still ranks the secret first), none
     occurring in `tokens` -> list (per probe) of lists of str."""
-    text = bytes(int(t) for t in tokens if 0 <= t < 256).decode("utf-8", "replace")
+    text = decode(tokens)
     used = {w for _, s in probes for w in s.split("_")}
     free = [w for w in WORDS if w not in used]
-    if len(free) < 2:
-        raise ValueError(f"too many probes ({len(probes)}) for {len(WORDS)} words")
+    # Half the word pairs at most: room for the ones rejected because the text holds them.
+    most = len(free) ** 2 // 2 // max(len(probes), 1)
+    if not 1 <= n <= most:
+        raise ValueError(f"n (distractors per probe) must be in [1, {most}] for "
+                         f"{len(probes)} probes ({len(free)} unused words), got {n}")
     rng = np.random.default_rng([seed, len(tokens), 7])
     taken, out = set(), []
     for _ in probes:
@@ -90,24 +94,25 @@ def distractors(tokens, probes, n, *, seed):
     return out
 
 
-def encode(text):
-    return np.frombuffer(text.encode(), np.uint8).astype(np.int32)
+def _ids(text):
+    return np.asarray(encode(text, bos=False), np.int32)
 
 
 def candidate_nll(score, name, candidate):
     """Bits per character of `candidate` and its closing quote after `\\nNAME = "`, teacher
     forced.
     score(ids int32[N]) -> log-probs f32[N, V] of the tokens after each of ids."""
-    prompt = encode(f'\n{name} = "')
-    value = encode(candidate + '"')
+    prompt = _ids(f'\n{name} = "')
+    value = _ids(candidate + '"')
     lp = score(np.concatenate([prompt, value]))
     pred = lp[len(prompt) - 1:len(prompt) - 1 + len(value)]
     return float(-pred[np.arange(len(value)), value].sum() / np.log(2) / len(value))
 
 
 def run_probe(score, prior, greedy, probes, distractor_sets):
-    """score: as in candidate_nll, after the long context; prior: the same with no context
-    (the model's own preference among candidates, which the context must overcome);
+    """score: as in candidate_nll, after the long context; prior: the same right after BOS,
+    with no context (the model's own preference among candidates, which the context must
+    overcome);
     greedy(prompt ids, n) -> n greedily decoded ids.
     -> {"accuracy", "gain_bits_per_char", "exact", "chance", "probes": [...]}."""
     def lift(name, candidate):  # bits per char the context saves on this candidate
@@ -117,8 +122,7 @@ def run_probe(score, prior, greedy, probes, distractor_sets):
     for (name, secret), others in zip(probes, distractor_sets):
         own = lift(name, secret)
         rest = [lift(name, d) for d in others]
-        got = bytes(t for t in greedy(encode(f'\n{name} = "'), len(secret))
-                    if 0 <= t < 256).decode("utf-8", "replace")
+        got = decode(greedy(_ids(f'\n{name} = "'), len(secret)))
         rows.append({"name": name, "secret": secret, "secret_lift": round(own, 4),
                      "distractor_lift": round(float(np.mean(rest)), 4),
                      "ranked_first": bool(own > max(rest) + TIE_BITS), "greedy": got,

@@ -1,10 +1,11 @@
 """The retrieval probe: sequence construction, distractors, and ranking by a scorer."""
 
 import numpy as np
+import pytest
 
 from experiments.data import Corpus
-from experiments.probe import (PROBE_NAMES, build_sequence, candidate_nll, distractors,
-                               encode, run_probe)
+from experiments.probe import PROBE_NAMES, build_sequence, candidate_nll, distractors, run_probe
+from model.tokenizer import encode
 
 V = 259
 
@@ -38,6 +39,9 @@ def test_distractors_are_unseen_and_distinct():
     assert not any(d in text for d in flat)
     used = {w for _, s in probes for w in s.split("_")}
     assert not {w for d in flat for w in d.split("_")} & used
+    for bad in (0, 10_000):
+        with pytest.raises(ValueError, match=r"n \(distractors per probe\) must be in"):
+            distractors(toks, probes, bad, seed=3)
 
 
 def _copying_scorer(table):
@@ -58,7 +62,7 @@ def _copying_scorer(table):
 def _bigram_table(texts):
     table = {}
     for t in texts:
-        ids = encode(t)
+        ids = encode(t, bos=False)
         for i in range(1, len(ids) - 1):
             table[(int(ids[i - 1]), int(ids[i]))] = int(ids[i + 1])
     return table
@@ -72,7 +76,7 @@ def test_copying_scorer_ranks_the_secret_first_and_gains():
     probes = [("SECRET_KEY", "apple_river"), ("API_TOKEN", "tiger_comet")]
     others = [["lemon_walnut", "canyon_pepper"], ["silver_meadow", "forest_stone"]]
     score = _copying_scorer(_bigram_table([f'{n} = "{s}"' for n, s in probes]))
-    greedy = lambda prompt, n: list(encode("x" * n))  # noqa: E731
+    greedy = lambda prompt, n: encode("x" * n, bos=False)  # noqa: E731
     out = run_probe(score, _uniform, greedy, probes, others)
     assert out["accuracy"] == 1.0 and out["chance"] == round(1 / 3, 4)
     assert out["gain_bits_per_char"] > 2.0 and out["exact"] == 0.0
@@ -83,7 +87,7 @@ def test_context_that_changes_nothing_has_no_gain_whatever_the_prior():
     biased = _copying_scorer(_bigram_table(['SECRET_KEY = "lemon_walnut"']))
     probes = [("SECRET_KEY", "apple_river")]
     for prior in (_uniform, biased):
-        out = run_probe(prior, prior, lambda p, n: list(encode("apple_river")), probes,
+        out = run_probe(prior, prior, lambda p, n: encode("apple_river", bos=False), probes,
                         [["lemon_walnut"]])
         assert out["accuracy"] == 0.0 and out["exact"] == 1.0
         assert abs(out["gain_bits_per_char"]) < 1e-6
