@@ -32,8 +32,6 @@ flat over all keys). Prints a Markdown table, writes JSON to results/bench_index
 
 import argparse
 import functools
-import json
-import pathlib
 import statistics
 import time
 
@@ -42,7 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import indexer
-from experiments.common import RESULTS_DIR, enable_compile_cache, machine_description
+from experiments.common import (RESULTS_DIR, enable_compile_cache, machine_description,
+                                write_json)
 from indexer import HierarchicalConfig
 from indexer.block_summaries import append, block_summaries
 from model import get_config
@@ -301,11 +300,20 @@ def main(argv=None):
                    help="lengths for the trained model's own indexer inputs ('' = none; "
                         "skipped with a note when there is no checkpoint)")
     p.add_argument("--real-queries", type=int, default=1024)
+    p.add_argument("--real-flat-layers", default="0", metavar="I,J,...",
+                   help="real-input rows also show the model with these layers kept flat "
+                        "(ModelConfig.flat_index_layers; 'none' = no such column)")
     p.add_argument("--checkpoint", default=None, help="model directory (default: shipped)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny sizes (tests, CI)")
     p.add_argument("--out", default=str(RESULTS_DIR / "bench_indexer.json"))
     args = p.parse_args(argv)
+    from experiments.bench_indexer_real import flat_layers_arg  # it imports this module
+    try:
+        flat_layers_arg(args.real_flat_layers, 1 << 30)  # syntax now, range once loaded
+    except ValueError:
+        p.error(f"--real-flat-layers must be comma-separated layer indices or 'none', "
+                f"got {args.real_flat_layers!r}")
     enable_compile_cache()
     small = get_config("small")
     H, d, top_k, config = small.index_heads, small.index_dim, small.top_k, small.hierarchical
@@ -334,10 +342,7 @@ def main(argv=None):
         table += "\n\n" + real["markdown"]
     print(table)
     result["markdown"] = table
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    print(f"wrote {write_json(args.out, result)}")
     return result
 
 

@@ -7,7 +7,10 @@ weights of its last `--real-queries` positions and each layer's whole key cache 
 (experiments.indexer_inputs). Per layer, side by side in one run: flat, hierarchical at the
 configured candidate budget and at 2x and 4x it, and exact mode, with recall and IoU
 against flat and the block-recall ceiling (indexer.block_recall_ceiling: what the best
-possible choice of that many blocks would reach, whatever the coarse scorer).
+possible choice of that many blocks would reach, whatever the coarse scorer). With
+`--real-flat-layers`, each budget also gets the figures of the model with those layers kept
+flat (ModelConfig.flat_index_layers): their measured flat time and recall 1 in place of
+their hierarchical ones.
 """
 
 import time
@@ -59,12 +62,33 @@ def bench_layer(q, w, k, top_k, config, q_offset, args):
     return res
 
 
+def flat_layers_arg(text, n_layers):
+    """--real-flat-layers -> sorted tuple of layer indices in [0, n_layers)."""
+    value = (text or "").strip().lower()
+    layers = () if value in ("", "none") else tuple(sorted({int(x) for x in value.split(",")}))
+    if any(not 0 <= i < n_layers for i in layers):
+        raise ValueError(f"--real-flat-layers must name layers in [0, {n_layers - 1}], "
+                         f"got {text!r}")
+    return layers
+
+
+def with_flat_layers(per_layer, tokens, flat_layers):
+    """Speedup and recall at budget `tokens` when flat_layers keep flat selection."""
+    time_s = sum(r["flat_s"] if i in flat_layers else r["budgets"][tokens]["hierarchical_s"]
+                 for i, r in enumerate(per_layer))
+    recall = np.mean([1.0 if i in flat_layers else r["budgets"][tokens]["recall"]
+                      for i, r in enumerate(per_layer)])
+    return {"layers": list(flat_layers), "speedup": sum(r["flat_s"] for r in per_layer) / time_s,
+            "recall": float(recall)}
+
+
 def bench_real(model, heldout_tokens, lengths, args, config, log=print):
     """Rows of the real-input benchmark, one per length (layers inside)."""
     from experiments.data import eval_sequence
     from experiments.indexer_inputs import model_indexer_inputs
 
     top_k = model.config.top_k
+    flat_layers = flat_layers_arg(getattr(args, "real_flat_layers", ""), model.config.n_layers)
     rows = []
     for L in lengths:
         n = min(args.real_queries, L)
@@ -89,11 +113,16 @@ def bench_real(model, heldout_tokens, lengths, args, config, log=print):
                 **{m: float(np.mean([p[m] for p in parts])) for m in ("recall", "iou", "ceiling")},
                 "recall_per_layer": [p["recall"] for p in parts],
                 "ceiling_per_layer": [p["ceiling"] for p in parts]}
+            if flat_layers:
+                row["budgets"][tokens]["with_flat_layers"] = with_flat_layers(
+                    per_layer, tokens, flat_layers)
         rows.append(row)
     return rows
 
 
 def markdown_real(rows, config, checkpoint):
+    first = next(iter(rows[0]["budgets"].values()))
+    mixed = ",".join(map(str, first.get("with_flat_layers", {}).get("layers", [])))
     lines = [
         f"Trained model's own indexer inputs ({checkpoint}; held-out stdlib text), all layers "
         f"(times summed over layers), last {rows[0]['queries']} queries; hierarchical as "
@@ -101,16 +130,19 @@ def markdown_real(rows, config, checkpoint):
         f"blocks of {config.block_size} can reach.",
         "",
         "| L | candidate tokens | flat s | hier s | speedup | recall | IoU | ceiling "
-        "| recall per layer | ceiling per layer |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| recall per layer | ceiling per layer |" + (f" layers {mixed} flat: speedup, recall |"
+                                                         if mixed else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if mixed else ""),
     ]
     for row in rows:
         for tokens, b in row["budgets"].items():
             per = " / ".join(f"{x:.3f}" for x in b["recall_per_layer"])
             ceil = " / ".join(f"{x:.3f}" for x in b["ceiling_per_layer"])
+            extra = (f" {b['with_flat_layers']['speedup']:.2f}x, "
+                     f"{b['with_flat_layers']['recall']:.4f} |" if mixed else "")
             lines.append(f"| {row['length']} | {tokens} | {row['flat_s']:.3f} | "
                          f"{b['hierarchical_s']:.3f} | {b['speedup']:.2f}x | {b['recall']:.4f} | "
-                         f"{b['iou']:.4f} | {b['ceiling']:.4f} | {per} | {ceil} |")
+                         f"{b['iou']:.4f} | {b['ceiling']:.4f} | {per} | {ceil} |" + extra)
     lines += ["", "Exact mode on the same inputs (configured budget, then refinement): " + ", ".join(
         f"{row['length']}: {row['exact_s']:.3f} s vs flat {row['flat_s']:.3f} s "
         f"({row['flat_s'] / row['exact_s']:.2f}x), equals flat: "

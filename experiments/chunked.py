@@ -52,12 +52,13 @@ class ChunkedModel:
                 positions = start + jnp.arange(T)
                 x = m.embed(tokens)
                 new_cache, flats, others = [], [], []
-                for layer, c in zip(m.layers, cache):
+                for i, (layer, c) in enumerate(zip(m.layers, cache)):
                     q_i, w_i, _ = layer.indexer(layer.attn_norm(x), positions)
                     x, c = layer(x, c, start, kv_len)
                     keys = c.k_index[:kv_len]
                     flats.append(select_tokens(flat_cfg, q_i, w_i, keys, q_offset=start))
-                    others.append(select_tokens(recall_config, q_i, w_i, keys, q_offset=start))
+                    others.append(select_tokens(recall_config, q_i, w_i, keys, q_offset=start,
+                                                layer=i))
                     new_cache.append(c)
                 logits = m.lm_head(m.final_norm(x)).astype(jnp.float32)
                 return (jax.nn.log_softmax(logits, axis=-1), new_cache, jnp.stack(flats),

@@ -61,8 +61,11 @@ def machine_description():
             "jax": jax.__version__, "python": sys.version.split()[0]}
 
 
-def write_json(name, payload):
-    RESULTS_DIR.mkdir(exist_ok=True)
-    path = RESULTS_DIR / name
+def write_json(path, payload):
+    """Writes payload as indented JSON to path (a bare file name goes to results/) -> path."""
+    path = pathlib.Path(path)
+    if path.parent == pathlib.Path("."):
+        path = RESULTS_DIR / path
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
     return path

@@ -277,6 +277,9 @@ def main(argv=None):
     p.add_argument("--hierarchical", default=None, metavar="FIELD=VALUE,...",
                    help="override HierarchicalConfig fields, e.g. "
                         "'candidate_tokens=2816,local_blocks=4'")
+    p.add_argument("--flat-index-layers", default=None, metavar="I,J,...",
+                   help="layers whose selection stays flat in the hierarchical method "
+                        "(ModelConfig.flat_index_layers), e.g. '0'; 'none' for none")
     p.add_argument("--no-reference", action="store_true",
                    help="skip the independent-window reference (same text, training length)")
     p.add_argument("--seed", type=int, default=0)
@@ -333,6 +336,13 @@ def main(argv=None):
         value = args.index_rope_scaling.strip().lower()
         model = with_config(model, model.config.replace(
             index_rope_scaling=None if value == "none" else float(value)))
+    if args.flat_index_layers is not None:
+        value = args.flat_index_layers.strip().lower()
+        try:
+            layers = () if value in ("", "none") else tuple(int(x) for x in value.split(","))
+            model = with_config(model, model.config.replace(flat_index_layers=layers))
+        except ValueError as e:
+            p.error(f"--flat-index-layers {args.flat_index_layers!r}: {e}")
     t0 = time.perf_counter()
     results = evaluate(model, corpus.heldout_tokens, lengths, methods=methods, chunk=args.chunk,
                        seed=args.seed, n_probes=args.probes,

@@ -14,7 +14,9 @@ def to_markdown(results):
              f"Model: {results['model']}. Data: {results['data']}. Device: {results['device']}.",
              f"Long-context method: {results.get('long_context', 'n/a')}",
              f"Indexer position interpolation (index_rope_scaling): "
-             f"{results.get('config', {}).get('index_rope_scaling')}", ""]
+             f"{results.get('config', {}).get('index_rope_scaling')}. Layers kept flat in "
+             f"sparse_hier (flat_index_layers): "
+             f"{list(results.get('config', {}).get('flat_index_layers') or []) or 'none'}", ""]
     lengths = list(results["lengths"])
     methods = results["methods"]
     has_ref = all("reference" in results["lengths"][L] for L in lengths) and lengths

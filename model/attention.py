@@ -26,18 +26,20 @@ def dense_causal_attention(q, k, v, *, q_offset=0, scale=None):
     return out.reshape(T, H, v.shape[-1]).astype(q.dtype)
 
 
-def select_tokens(config, q_index, w_index, k_index, *, q_offset, summaries=None):
+def select_tokens(config, q_index, w_index, k_index, *, q_offset, summaries=None, layer=None):
     """The indexer's top_k selection for queries at q_offset.. -> i32[T, top_k] (-1 padded).
 
     k_index: [L, d_I], the indexer-key cache up to a length bucket (positions past the
     queries are masked by causality). config.indexer: "flat" (exact, O(T * L)) or
     "hierarchical" (coarse-to-fine with config.hierarchical; summaries: the cache's
     BlockSummaryCache of k_index, at least ceil(L / block_size) blocks, or None to build
-    them from k_index).
+    them from k_index). layer: the layer's index, for config.flat_index_layers (None: the
+    selection config.indexer names).
     """
-    if config.indexer == "flat":
+    kind = config.indexer if layer is None else config.layer_indexer(layer)
+    if kind == "flat":
         return flat_topk(q_index, w_index, k_index, config.top_k, q_offset=q_offset)
-    if config.indexer == "hierarchical":
+    if kind == "hierarchical":
         return hierarchical_topk(q_index, w_index, k_index, config.top_k, config.hierarchical,
                                  q_offset=q_offset, summaries=summaries)
     raise ValueError(f"ModelConfig.indexer must be 'flat' or 'hierarchical', "

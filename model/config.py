@@ -19,7 +19,9 @@ class ModelConfig:
     rotate-half layout); with attention="sparse" every query attends to the top_k tokens
     the indexer selects (shared by all heads of the query). indexer="hierarchical" selects
     them coarse-to-fine with the knobs in `hierarchical` (a HierarchicalConfig; a dict is
-    converted).
+    converted). flat_index_layers: layers whose selection stays flat when
+    indexer="hierarchical" (e.g. (0,) for a first layer whose top-k is a few byte values
+    scattered over the whole context, which no block selector covers: experiments/README.md).
     """
 
     vocab_size: int = 259
@@ -43,6 +45,7 @@ class ModelConfig:
     top_k: int = 256
     attention: str = "sparse"
     indexer: str = "flat"
+    flat_index_layers: tuple[int, ...] = ()
     prefill_chunk: int = 1024
     dtype: str = "float32"
     hierarchical: HierarchicalConfig = HierarchicalConfig()
@@ -86,6 +89,13 @@ class ModelConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.{name} must be one of {allowed}, "
                                  f"got {getattr(self, name)!r}")
+        layers = self.flat_index_layers
+        if not isinstance(layers, (tuple, list)) or any(
+                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers
+                for i in layers) or len(set(layers)) != len(layers):
+            raise ValueError(f"ModelConfig.flat_index_layers must be distinct layer indices in "
+                             f"[0, n_layers - 1 = {self.n_layers - 1}], got {layers!r}")
+        object.__setattr__(self, "flat_index_layers", tuple(sorted(layers)))  # hashable
         budget = self.hierarchical.candidate_tokens
         if self.indexer == "hierarchical" and budget is not None and budget < self.top_k:
             raise ValueError(f"ModelConfig.hierarchical.candidate_tokens must be >= top_k "
@@ -98,6 +108,10 @@ class ModelConfig:
     def indexer_rope_scaling(self):
         """The position interpolation factor the indexer's RoPE uses."""
         return self.rope_scaling if self.index_rope_scaling is None else self.index_rope_scaling
+
+    def layer_indexer(self, layer):
+        """The selection layer `layer` runs: "flat" for flat_index_layers, else `indexer`."""
+        return "flat" if layer in self.flat_index_layers else self.indexer
 
     def to_dict(self):
         """Plain JSON-able dict; `hierarchical` becomes a nested dict."""

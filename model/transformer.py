@@ -47,9 +47,10 @@ def _write(cache_array, new, start):
 class DecoderBlock(nnx.Module):
     """Pre-norm block: x + Attn(norm(x)) with DSA selection, then x + MLP(norm(x))."""
 
-    def __init__(self, config, *, rngs):
+    def __init__(self, config, *, layer=0, rngs):
         dtype = jnp.dtype(config.dtype)
         self.config = config
+        self.layer = layer  # index in the stack, for config.flat_index_layers
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = Attention(config, rngs=rngs, dtype=dtype)
         self.indexer = LightningIndexer(config.d_model, config.index_heads, config.index_dim,
@@ -83,7 +84,7 @@ class DecoderBlock(nnx.Module):
         indices = None
         if self.config.attention == "sparse":
             indices = select_tokens(self.config, q_index, w_index, cache.k_index[:kv_len],
-                                    q_offset=start, summaries=summaries)
+                                    q_offset=start, summaries=summaries, layer=self.layer)
         out = attend(q, cache.k[:kv_len], cache.v[:kv_len], indices, q_offset=start)
         x = x + self.attn.output(out)
         x = x + self.mlp(self.mlp_norm(x))
@@ -95,7 +96,8 @@ class Transformer(nnx.Module):
         self.config = config
         dtype = jnp.dtype(config.dtype)
         self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderBlock(config, rngs=rngs) for _ in range(config.n_layers)])
+        self.layers = nnx.List([DecoderBlock(config, layer=i, rngs=rngs)
+                                for i in range(config.n_layers)])
         self.final_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, dtype=dtype,
                                   kernel_init=nnx.initializers.lecun_normal(), rngs=rngs)

@@ -2,7 +2,11 @@
 
 import json
 
+import numpy as np
+import pytest
+
 from experiments import bench_indexer
+from experiments.bench_indexer_real import flat_layers_arg, with_flat_layers
 
 
 def test_bench_indexer_smoke(tmp_path, capsys):
@@ -25,6 +29,24 @@ def test_bench_indexer_smoke(tmp_path, capsys):
     for tokens, b in row["budgets"].items():
         assert 0 < b["recall"] <= b["ceiling"] + 1e-9 and b["hierarchical_s"] > 0
     assert row["budgets"]["1024"]["ceiling"] == 1.0
+    # Layer 0 kept flat (the default --real-flat-layers): its recall counts as 1.
+    for b in row["budgets"].values():
+        mixed = b["with_flat_layers"]
+        assert mixed["layers"] == [0] and mixed["speedup"] > 0
+        assert abs(mixed["recall"] - np.mean([1.0] + b["recall_per_layer"][1:])) < 1e-9
+        assert mixed["recall"] >= b["recall"]
     printed = capsys.readouterr().out
     assert "| L | input | flat s | hier s | speedup |" in printed and "Decode step" in printed
-    assert "Trained model's own indexer inputs" in printed
+    assert "Trained model's own indexer inputs" in printed and "layers 0 flat" in printed
+
+
+def test_with_flat_layers_uses_the_flat_time_and_full_recall_of_those_layers():
+    per_layer = [{"flat_s": 4.0, "budgets": {64: {"hierarchical_s": 1.0, "recall": 0.5}}},
+                 {"flat_s": 4.0, "budgets": {64: {"hierarchical_s": 2.0, "recall": 0.9}}}]
+    mixed = with_flat_layers(per_layer, 64, (0,))
+    assert mixed == {"layers": [0], "speedup": 8.0 / 6.0, "recall": (1.0 + 0.9) / 2}
+    assert flat_layers_arg("1,0,1", 2) == (0, 1) and flat_layers_arg("none", 2) == ()
+    with pytest.raises(ValueError, match=r"--real-flat-layers must name layers in \[0, 1\]"):
+        flat_layers_arg("2", 2)
+    with pytest.raises(SystemExit):
+        bench_indexer.main(["--smoke", "--real-flat-layers", "first"])

@@ -85,3 +85,38 @@ def test_config_round_trip_with_nested_hierarchical_config():
         get_config("tiny", indexer="hierarchical", hierarchical={"candidate_tokens": 8})
     with pytest.raises(ValueError, match="ModelConfig.hierarchical must be"):
         ModelConfig(hierarchical=3)
+
+
+def test_flat_index_layers_keep_those_layers_flat():
+    toks = jnp.asarray(_tokens(3, 96))
+    flat = _model(2).forward(toks)
+    all_flat = _model(2, indexer="hierarchical", flat_index_layers=(0, 1)).forward(toks)
+    np.testing.assert_allclose(flat, all_flat, **TOL)
+    # One flat layer of two: neither the flat nor the all-hierarchical model.
+    one = _model(2, indexer="hierarchical", flat_index_layers=[1]).forward(toks)
+    hier = _model(2, indexer="hierarchical").forward(toks)
+    assert not np.allclose(flat[-1], one[-1], atol=1e-3)
+    assert not np.allclose(hier[-1], one[-1], atol=1e-3)
+    # Per-layer selections as the eval collects them: layer 1 is flat's, layer 0 is not.
+    from experiments.chunked import ChunkedModel
+    config = get_config("tiny", flat_index_layers=(1,))
+    runner = ChunkedModel(_model(2), chunk=32,
+                          recall_config=config.replace(indexer="hierarchical"))
+    _, _, (flats, others) = runner.logprobs(np.asarray(toks), collect_from=64)
+    np.testing.assert_array_equal(flats[1], others[1])
+    assert not np.array_equal(flats[0], others[0])
+
+
+@pytest.mark.parametrize("layers", [(2,), (-1,), (0, 0), ("0",), (True,), 0])
+def test_bad_flat_index_layers_are_rejected(layers):
+    with pytest.raises(ValueError, match=r"flat_index_layers must be distinct layer indices in "
+                                         r"\[0, n_layers - 1 = 1\]"):
+        get_config("tiny", flat_index_layers=layers)
+
+
+def test_flat_index_layers_round_trip_through_json():
+    config = get_config("tiny", indexer="hierarchical", flat_index_layers=[1, 0])
+    assert config.flat_index_layers == (0, 1) and hash(config)
+    again = ModelConfig.from_dict(json.loads(config.to_json()))
+    assert again == config and again.layer_indexer(0) == "flat"
+    assert config.replace(flat_index_layers=()).layer_indexer(0) == "hierarchical"
