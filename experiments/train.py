@@ -7,7 +7,9 @@
 Stages (experiments/training_steps.py): "dense" pretraining, "dense_long" (the same on longer
 windows: a short length curriculum), then "indexer_warmup" (the DeepSeek-V3.2 indexer
 warm-up: main model frozen, KL to the head-summed attention). A stage may set its own
-seq_len and micro_batches; steps: 0 skips it.
+seq_len and micro_batches; steps: 0 skips it. A top-level `init_from: DIR` starts from that
+checkpoint's weights and architecture instead of a random initialisation (e.g.
+experiments/configs/indexer_rewarm.yaml: the indexer warm-up again on trained weights).
 
 Outputs
 - DIR: the shipped checkpoint (orbax, via model.checkpoint.save_checkpoint): float32 weights,
@@ -46,11 +48,13 @@ from experiments import training_steps as ts
 from experiments.data import Corpus, sample_batch
 from experiments.train_config import (CHECKPOINT_FORMAT, HELDOUT_SEED_STREAM, LOG_FORMAT,
                                       LONG_CONTEXT_NOTE, STAGE_SEED_STREAM, Log,
-                                      device_description, flatten_tree, fmt_tokens, load_config,
+                                      device_description, flatten_tree, fmt_tokens, init_source,
+                                      load_config,
                                       model_config, parse_stage_ints, shipped_config, stage_list,
                                       unflatten_tree)
 from model.checkpoint import read_config, restore_checkpoint, save_checkpoint
 from model.transformer import Transformer
+
 
 # ------------------------------------------------------------------------ trainer
 
@@ -73,7 +77,13 @@ class Trainer:
         precision = self.train_cfg.get("matmul_precision")
         if precision:
             jax.config.update("jax_default_matmul_precision", precision)
-        self.config = model_config(cfg).replace(attention="dense")
+        self.init_from, self.parent = init_source(cfg)
+        if self.parent is not None:  # the parent's architecture, with the YAML's overrides
+            stored = self.parent["config"]
+            self.config = stored.replace(**((cfg.get("model") or {}).get("overrides") or {}))
+        else:
+            self.config = model_config(cfg)
+        self.config = self.config.replace(attention="dense")
         data = cfg.get("data") or {}
         self.seq_len = int(data.get("seq_len", 2048))
         if self.seq_len > self.config.max_seq_len:
@@ -313,6 +323,13 @@ class Trainer:
             if extra is not None:
                 state["stages"][current]["opt_state_flat"] = extra["opt_state"]
             self.log(f"resumed from {self.work_dir} at global step {state['global_step']}")
+        elif self.parent is not None:
+            model, _, _ = restore_checkpoint(self.init_from, self.config)
+            done = self.parent["metadata"].get("training", {})
+            # The step count continues the parent's.
+            state = dict(global_step=int(done.get("total_steps", 0)),
+                         tokens_seen=int(done.get("tokens_seen", 0)), stages={})
+            self.log(f"initialised from {self.init_from} (step {state['global_step']})")
         else:
             model = Transformer(self.config, rngs=nnx.Rngs(self.seed))
             state = dict(global_step=0, tokens_seen=0, stages={})
@@ -373,6 +390,12 @@ class Trainer:
                         training=copy.deepcopy({k: v for k, v in log.items()
                                                 if k != "config"}),
                         train_config=self.cfg)
+        if self.parent is not None:  # lineage: what the starting weights went through
+            parent = self.parent["metadata"]
+            metadata["init_from"] = dict(
+                path=str(self.init_from), training=parent.get("training"),
+                train_config=parent.get("train_config"), init_from=parent.get("init_from"))
+            metadata["long_context"] = parent.get("long_context", metadata["long_context"])
         for rec in metadata["training"]["stages"].values():
             rec.pop("history", None)
         if self.out_dir.exists():

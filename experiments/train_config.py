@@ -1,12 +1,15 @@
 """Configuration and small helpers of experiments.train: the YAML config (with --set
 overrides), stage lists, formats and seed streams, pytree flattening for checkpoints."""
 
+import pathlib
 import sys
 
 import jax
 import yaml
 
 from experiments import training_steps as ts
+from experiments.checkpoints import has_checkpoint
+from model.checkpoint import read_config
 from model.config import get_config
 
 LOG_FORMAT = "dosa-train-log-v1"
@@ -60,6 +63,25 @@ def parse_stage_ints(text, what):
 def model_config(cfg):
     m = cfg["model"]
     return get_config(m.get("preset", "small"), **(m.get("overrides") or {}))
+
+
+def init_source(cfg):
+    """The YAML's `init_from` (a checkpoint directory whose weights and config a run starts
+    from, instead of a random initialisation) -> (path, {"config", "metadata"}), or
+    (None, None) when the key is absent. A present but empty key is an error: the YAML
+    wants a checkpoint (--set init_from=DIR)."""
+    if "init_from" not in cfg:
+        return None, None
+    if not cfg["init_from"]:
+        raise ValueError("init_from must name a checkpoint directory (--set init_from=DIR)")
+    if (cfg.get("model") or {}).get("preset"):
+        raise ValueError("set either init_from or model.preset, not both: the architecture "
+                         "comes from the init_from checkpoint")
+    path = pathlib.Path(cfg["init_from"]).resolve()
+    if not has_checkpoint(path):
+        raise ValueError(f"init_from: no checkpoint in {path}")
+    stored, metadata = read_config(path)
+    return path, {"config": stored, "metadata": metadata}
 
 
 def stage_list(cfg):

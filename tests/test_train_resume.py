@@ -6,6 +6,7 @@ import tarfile
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from experiments.train import Trainer, main
@@ -71,3 +72,34 @@ def test_cli_writes_a_compact_checkpoint_log_and_tar(tmp_path, capsys):
     assert meta["training"]["stages"]["dense"]["steps_done"] == 2
     assert "--steps dense=2,dense_long=0,indexer_warmup=1" in meta["training"]["reproduce"]
     assert meta["training"]["stages"]["dense_long"]["stopped_by"] == "skipped"
+
+
+def test_init_from_a_checkpoint_trains_only_the_stage_and_keeps_the_lineage(tmp_path):
+    parent = tmp_path / "parent"
+    Trainer(_cfg(), parent, log=QUIET).run()
+    cfg = load_config(TINY, ["data.max_files=24", "train.eval_batches=0",
+                             "stages.dense.steps=0", "stages.dense_long.steps=0",
+                             "stages.indexer_warmup.steps=2", f"init_from={parent}",
+                             "model.preset=", "model.overrides.index_rope_scaling=2.0"])
+    log = Trainer(cfg, tmp_path / "child", log=QUIET).run()
+    assert log["total_steps"] == 6 + 2  # the parent's count continues
+    before, _ = _params(parent)
+    after, meta = _params(tmp_path / "child")
+    model, _, _ = restore_checkpoint(tmp_path / "child")
+    assert model.config.index_rope_scaling == 2.0
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))[0]]
+    changed = {p for p, x, y in zip(paths, before, after) if not np.array_equal(x, y)}
+    assert changed and all("indexer" in p for p in changed)
+    assert meta["init_from"]["path"] == str(parent.resolve())
+    assert meta["init_from"]["training"]["total_steps"] == 6
+
+
+def test_init_from_must_name_a_checkpoint(tmp_path):
+    for value, message in (("", "init_from must name a checkpoint directory"),
+                           (str(tmp_path), "init_from: no checkpoint in")):
+        cfg = load_config(TINY, [f"init_from={value}", "model.preset="])
+        with pytest.raises(ValueError, match=message):
+            Trainer(cfg, tmp_path / "out", log=QUIET)
+    with pytest.raises(ValueError, match="either init_from or model.preset"):
+        Trainer(load_config(TINY, [f"init_from={tmp_path}"]), tmp_path / "out", log=QUIET)
