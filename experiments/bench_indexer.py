@@ -41,7 +41,7 @@ import numpy as np
 
 import indexer
 from experiments.common import (RESULTS_DIR, enable_compile_cache, machine_description,
-                                write_json)
+                                parse_layers, write_json)
 from indexer import HierarchicalConfig
 from indexer.block_summaries import append, block_summaries
 from model import get_config
@@ -308,12 +308,10 @@ def main(argv=None):
     p.add_argument("--smoke", action="store_true", help="tiny sizes (tests, CI)")
     p.add_argument("--out", default=str(RESULTS_DIR / "bench_indexer.json"))
     args = p.parse_args(argv)
-    from experiments.bench_indexer_real import flat_layers_arg  # it imports this module
     try:
-        flat_layers_arg(args.real_flat_layers, 1 << 30)  # syntax now, range once loaded
-    except ValueError:
-        p.error(f"--real-flat-layers must be comma-separated layer indices or 'none', "
-                f"got {args.real_flat_layers!r}")
+        parse_layers(args.real_flat_layers)  # syntax now; the range once the model is loaded
+    except ValueError as e:
+        p.error(f"--real-flat-layers: {e}")
     enable_compile_cache()
     small = get_config("small")
     H, d, top_k, config = small.index_heads, small.index_dim, small.top_k, small.hierarchical

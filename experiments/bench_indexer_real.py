@@ -21,6 +21,7 @@ import numpy as np
 
 import indexer
 from experiments.bench_indexer import _equal_up_to_ties, _median_interleaved, _summaries
+from experiments.common import parse_layers
 
 
 def budgets(config, factors=(1, 2, 4)):
@@ -62,16 +63,6 @@ def bench_layer(q, w, k, top_k, config, q_offset, args):
     return res
 
 
-def flat_layers_arg(text, n_layers):
-    """--real-flat-layers -> sorted tuple of layer indices in [0, n_layers)."""
-    value = (text or "").strip().lower()
-    layers = () if value in ("", "none") else tuple(sorted({int(x) for x in value.split(",")}))
-    if any(not 0 <= i < n_layers for i in layers):
-        raise ValueError(f"--real-flat-layers must name layers in [0, {n_layers - 1}], "
-                         f"got {text!r}")
-    return layers
-
-
 def with_flat_layers(per_layer, tokens, flat_layers):
     """Speedup and recall at budget `tokens` when flat_layers keep flat selection."""
     time_s = sum(r["flat_s"] if i in flat_layers else r["budgets"][tokens]["hierarchical_s"]
@@ -88,7 +79,9 @@ def bench_real(model, heldout_tokens, lengths, args, config, log=print):
     from experiments.indexer_inputs import model_indexer_inputs
 
     top_k = model.config.top_k
-    flat_layers = flat_layers_arg(getattr(args, "real_flat_layers", ""), model.config.n_layers)
+    # ModelConfig checks the indices (distinct, in range) as for the model itself.
+    flat_layers = model.config.replace(
+        flat_index_layers=parse_layers(getattr(args, "real_flat_layers", ""))).flat_index_layers
     rows = []
     for L in lengths:
         n = min(args.real_queries, L)

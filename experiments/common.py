@@ -61,6 +61,18 @@ def machine_description():
             "jax": jax.__version__, "python": sys.version.split()[0]}
 
 
+def parse_layers(text):
+    """A CLI list of layer indices, 'I,J,...' or 'none' / '' -> tuple of ints (ValueError on
+    anything else). The range is checked where it is used: ModelConfig.flat_index_layers."""
+    value = (text or "").strip().lower()
+    if value in ("", "none"):
+        return ()
+    try:
+        return tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise ValueError(f"expected comma-separated layer indices or 'none', got {text!r}") from None
+
+
 def write_json(path, payload):
     """Writes payload as indented JSON to path (a bare file name goes to results/) -> path."""
     path = pathlib.Path(path)

@@ -49,7 +49,7 @@ from model.config import get_config
 from model.tokenizer import BOS
 from model.transformer import Transformer
 
-from experiments.common import REPO_ROOT  # noqa: E402
+from experiments.common import REPO_ROOT, parse_layers  # noqa: E402
 METHODS = ("dense", "sparse_flat", "sparse_hier")
 PAIRS = (("dense", "sparse_flat"), ("sparse_flat", "sparse_hier"), ("dense", "sparse_hier"))
 LN2 = math.log(2.0)
@@ -337,10 +337,9 @@ def main(argv=None):
         model = with_config(model, model.config.replace(
             index_rope_scaling=None if value == "none" else float(value)))
     if args.flat_index_layers is not None:
-        value = args.flat_index_layers.strip().lower()
         try:
-            layers = () if value in ("", "none") else tuple(int(x) for x in value.split(","))
-            model = with_config(model, model.config.replace(flat_index_layers=layers))
+            model = with_config(model, model.config.replace(
+                flat_index_layers=parse_layers(args.flat_index_layers)))
         except ValueError as e:
             p.error(f"--flat-index-layers {args.flat_index_layers!r}: {e}")
     t0 = time.perf_counter()

@@ -47,7 +47,7 @@ def _write(cache_array, new, start):
 class DecoderBlock(nnx.Module):
     """Pre-norm block: x + Attn(norm(x)) with DSA selection, then x + MLP(norm(x))."""
 
-    def __init__(self, config, *, layer=0, rngs):
+    def __init__(self, config, *, layer, rngs):
         dtype = jnp.dtype(config.dtype)
         self.config = config
         self.layer = layer  # index in the stack, for config.flat_index_layers

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from experiments import bench_indexer
-from experiments.bench_indexer_real import flat_layers_arg, with_flat_layers
+from experiments.bench_indexer_real import with_flat_layers
+from experiments.common import parse_layers
+from model import get_config
 
 
 def test_bench_indexer_smoke(tmp_path, capsys):
@@ -45,8 +47,12 @@ def test_with_flat_layers_uses_the_flat_time_and_full_recall_of_those_layers():
                  {"flat_s": 4.0, "budgets": {64: {"hierarchical_s": 2.0, "recall": 0.9}}}]
     mixed = with_flat_layers(per_layer, 64, (0,))
     assert mixed == {"layers": [0], "speedup": 8.0 / 6.0, "recall": (1.0 + 0.9) / 2}
-    assert flat_layers_arg("1,0,1", 2) == (0, 1) and flat_layers_arg("none", 2) == ()
-    with pytest.raises(ValueError, match=r"--real-flat-layers must name layers in \[0, 1\]"):
-        flat_layers_arg("2", 2)
+    assert parse_layers(" 1,0") == (1, 0) and parse_layers("none") == () == parse_layers("")
+    with pytest.raises(ValueError, match="expected comma-separated layer indices or 'none'"):
+        parse_layers("first")
+    # The range is ModelConfig's check, as bench_real applies it.
+    with pytest.raises(ValueError, match=r"flat_index_layers must be distinct layer indices in "
+                                         r"\[0, n_layers - 1 = 1\]"):
+        get_config("tiny").replace(flat_index_layers=parse_layers("2"))
     with pytest.raises(SystemExit):
         bench_indexer.main(["--smoke", "--real-flat-layers", "first"])
