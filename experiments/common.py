@@ -1,4 +1,9 @@
-"""Helpers shared by experiment scripts: compile cache, timing, text samples, result files."""
+"""Helpers shared by experiment scripts: compile cache, timing, text samples, output folders.
+
+Every script writes into its `--out` folder, by default runs/<name>/ under the current
+directory (git-ignored); results of record in results/ are refreshed only on purpose
+(`--out results`).
+"""
 
 import json
 import os
@@ -11,7 +16,7 @@ import time
 import jax
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS_DIR = REPO_ROOT / "results"
+RUNS_DIR = pathlib.Path("runs")
 
 
 def enable_compile_cache():
@@ -21,7 +26,8 @@ def enable_compile_cache():
 
 
 def block(x):
-    return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+    return jax.tree.map(
+        lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
 
 
 def time_call(fn, *, repeats=3, warmup=1):
@@ -70,14 +76,34 @@ def parse_layers(text):
     try:
         return tuple(int(x) for x in value.split(","))
     except ValueError:
-        raise ValueError(f"expected comma-separated layer indices or 'none', got {text!r}") from None
+        raise ValueError(f"expected comma-separated layer indices or 'none', "
+                         f"got {text!r}") from None
+
+
+def default_out_dir(name):
+    """runs/<name>: where a script writes when --out is not given (git-ignored)."""
+    return RUNS_DIR / name
+
+
+def add_out_argument(parser, name):
+    """The common --out option: an output folder, default runs/<name>/."""
+    parser.add_argument("--out", default=str(default_out_dir(name)), metavar="DIR",
+                        help=f"output folder (default runs/{name}/; results of record: results/)")
+
+
+def display_path(path):
+    """`path` relative to the current directory when it is inside it (no machine paths in
+    result files), else as given."""
+    path = pathlib.Path(path)
+    try:
+        return str(path.resolve().relative_to(pathlib.Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def write_json(path, payload):
-    """Writes payload as indented JSON to path (a bare file name goes to results/) -> path."""
+    """Writes payload as indented JSON to `path` (parent folders created) -> path."""
     path = pathlib.Path(path)
-    if path.parent == pathlib.Path("."):
-        path = RESULTS_DIR / path
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
     return path

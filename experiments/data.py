@@ -13,11 +13,11 @@ Token stream: each file is [BOS] + its UTF-8 bytes + [EOS], files concatenated i
 import hashlib
 import pathlib
 import platform
-import sys
 import sysconfig
 
 import numpy as np
 
+from model.runner import ModelRunner
 from model.tokenizer import BOS, EOS
 
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests",
@@ -111,8 +111,6 @@ class Corpus:
             source="python-stdlib",
             python_version=platform.python_version(),
             python_implementation=platform.python_implementation(),
-            python_executable=sys.executable,
-            stdlib_root=str(self.root),
             excluded_dirs=sorted(EXCLUDED_DIRS),
             heldout_rule="sha256(relative posix path)[:8] as big-endian / 2**64 < fraction",
             heldout_fraction=self.heldout_fraction,
@@ -149,3 +147,19 @@ def eval_sequence(tokens, length, *, offset=0):
         raise ValueError("empty token stream")
     idx = (offset + np.arange(length)) % n
     return np.asarray(tokens[idx], dtype=np.int32)
+
+
+def model_indexer_inputs(model, tokens, n_queries, *, chunk=None):
+    """A model's own indexer inputs on `tokens` (int[L]), captured from its prefill (its
+    configured attention, e.g. sparse with flat selection, as deployed) -> list over layers
+    of (q f32[Q, H_I, d_I], w f32[Q, H_I], k f32[L, d_I]) numpy arrays for the last
+    Q = n_queries positions (query i at position L - Q + i) and every key."""
+    tokens = np.asarray(tokens, np.int32)
+    L = int(tokens.shape[0])
+    if not 1 <= n_queries <= L:
+        raise ValueError(f"n_queries must be in [1, len(tokens) = {L}], got {n_queries}")
+    _, cache, captured = ModelRunner(model).prefill(tokens, chunk=chunk, capture=("indexer",),
+                                                    capture_from=L - n_queries)
+    q, w = captured["indexer"].q, captured["indexer"].w
+    return [(q[i].astype(np.float32), w[i].astype(np.float32),
+             np.asarray(c.k_index[:L], np.float32)) for i, c in enumerate(cache)]

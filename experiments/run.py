@@ -1,69 +1,114 @@
-"""dosa's main job: load the model, prefill a long real-text context, report TTFT, generate.
+"""dosa's main job: time to first token of flat vs hierarchical selection, side by side.
 
-    python -m experiments.run [--tokens 4096] [--attention sparse] [--indexer flat]
+    python -m experiments.run [--config experiments/configs/run_default.yaml] [--out DIR]
+        [--set key.path=value ...]
 
-Uses the shipped checkpoint (checkpoints/small) when present, else random `small` weights
-(said so in the output). TTFT here = prefill start to first-token logits ready.
+For every context length and mode of the config (default: the shipped `small` checkpoint on
+held-out real text; sparse-flat and sparse-hierarchical at 8K, 16K and 32K, dense up to
+8K): TTFT (median and spread over the timed repetitions after a compile-only warm-up), the
+prefill split into indexer / attention / other with the indexer's share, the decode step
+time, and the fidelity of each mode against the reference (recall and IoU of the selection,
+greedy top-1 agreement and logit KL over the last positions, vs flat and vs dense). Writes
+OUT/results.json, OUT/report.md and OUT/ttft.png (default OUT: runs/run/); prints a table.
+Other configs: experiments/configs/run_*.yaml (longer CPU run, ablations, one H200).
 """
 
 import argparse
 import pathlib
+import shlex
+import sys
 import time
 
-import numpy as np
-from flax import nnx
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
-from experiments.common import enable_compile_cache, machine_description, stdlib_text
-from experiments.checkpoints import DEFAULT_CHECKPOINT, has_checkpoint, load_default_model
-from model import ModelRunner, Transformer, get_config, tokenizer
+from experiments.common import add_out_argument, enable_compile_cache, write_json
+from experiments.schema import ConfigError
+from experiments.ttft.config import load_run_config
+from experiments.ttft.report import COLUMNS, markdown, plot, row_cells, summary_line
+from experiments.ttft.study import METHOD, environment, load_source, run_study
+from model import CheckpointMissingError
+
+DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "run_default.yaml"
 
 
-def load_model(checkpoint, **overrides):
-    """(model, description): the checkpoint if it exists, else random `small` weights."""
-    if has_checkpoint(checkpoint):
-        return load_default_model(checkpoint, **overrides)[0], f"checkpoint {checkpoint}"
-    return (Transformer(get_config("small", **overrides), rngs=nnx.Rngs(0)),
-            f"random small weights (no checkpoint at {checkpoint})")
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG),
+                   help="run config YAML (default experiments/configs/run_default.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config entry, e.g. --set lengths=[4096] (repeatable)")
+    add_out_argument(p, "run")
+    args = p.parse_args(argv)
+    try:
+        run = load_run_config(args.config, args.set)
+    except FileNotFoundError:
+        p.error(f"--config {args.config}: no such file")
+    except ValueError as e:  # ConfigError and bad --set syntax
+        p.error(f"--config {args.config}: {e}")
+    return p, args, run
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=4096, help="context length to prefill")
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--attention", default="sparse", choices=["dense", "sparse"])
-    p.add_argument("--indexer", default="flat")
-    p.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT))
-    args = p.parse_args(argv)
-    if args.tokens < 1:
-        p.error("--tokens must be >= 1")
+    p, args, run = parse_args(argv)
+    # A pipe or log file gets the whole table, not 80 columns of it.
+    console = Console(width=None if sys.stdout.isatty() else 200)
     enable_compile_cache()
-    model, source = load_model(pathlib.Path(args.checkpoint),
-                               attention=args.attention, indexer=args.indexer)
-    cfg = model.config
-    if args.tokens + args.new_tokens > cfg.max_seq_len:
-        p.error(f"--tokens + --new-tokens must be <= max_seq_len={cfg.max_seq_len}")
-    runner = ModelRunner(model)
-    prompt = np.asarray(tokenizer.encode(stdlib_text(4 * args.tokens))[:args.tokens], np.int32)
-    print(f"dosa main job: {source}; attention={cfg.attention} indexer={cfg.indexer} "
-          f"top_k={cfg.top_k}; {machine_description()}")
-
-    # First call compiles; the timed call is the warm one (what a server sees).
-    runner.prefill(prompt, capacity=args.tokens + args.new_tokens)[0].block_until_ready()
+    try:
+        model, description, random_weights, heldout = load_source(
+            run.model, max(run.lengths) + run.decode_steps + 1)
+    except CheckpointMissingError as e:
+        p.error(str(e))
+    except (ValueError, ConfigError) as e:
+        p.error(f"model: {e}")
+    for spec in run.modes:  # bad mode fields fail before any measurement
+        try:
+            spec.model_config(model.config)
+        except ValueError as e:
+            p.error(f"modes: {spec.name}: {e}")
+    console.print(f"dosa TTFT study: {description}; lengths {list(run.lengths)}; modes "
+                  f"{[m.name for m in run.modes]}; {run.repetitions} timed prefills each")
+    if random_weights:
+        console.print("[bold]random weights[/bold]: timing only, no fidelity figures")
+    total = sum(1 for L in run.lengths for m in run.modes
+                if m.max_length is None or L <= m.max_length)
     t0 = time.perf_counter()
-    logits, cache = runner.prefill(prompt, capacity=args.tokens + args.new_tokens)
-    first = int(np.argmax(np.asarray(logits)))
-    ttft = time.perf_counter() - t0
-    print(f"prefill of {args.tokens} tokens: TTFT {ttft * 1000:.1f} ms "
-          f"({args.tokens / ttft:.0f} tokens/s)")
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+               "{task.total} runs"), TimeElapsedColumn())
+    with Progress(*columns, console=console) as bar:
+        task = bar.add_task("starting", total=total)
+        started = []
 
-    out, t0 = [first], time.perf_counter()
-    for i in range(args.new_tokens - 1):
-        logits, cache = runner.decode(out[-1], cache, args.tokens + i)
-        out.append(int(np.argmax(np.asarray(logits))))
-    decode_s = time.perf_counter() - t0
-    print(f"decode: {args.new_tokens - 1} tokens in {decode_s:.2f} s (includes compiles)")
-    print("context tail:", repr(tokenizer.decode(prompt[-80:])))
-    print("greedy continuation:", repr(tokenizer.decode(out)))
+        def progress(description, advance=True):
+            if started and advance:
+                bar.advance(task)
+            if advance:
+                started.append(description)
+            bar.update(task, description=description)
+
+        rows, summary = run_study(run, model, heldout, random_weights=random_weights,
+                                  progress=progress, log=console.print)
+        bar.update(task, completed=total, description="done")
+    command = "python -m experiments.run " + shlex.join(argv if argv is not None
+                                                        else sys.argv[1:])
+    results = {"config": run.to_dict(), "model": description, "random_weights": random_weights,
+               "env": environment(), "method": METHOD, "runs": rows, "summary": summary,
+               "command": command, "wall_s": time.perf_counter() - t0}
+    out = pathlib.Path(args.out)
+    write_json(out / "results.json", results)
+    (out / "report.md").write_text(markdown(results))
+    plot(results, out / "ttft.png")
+    table = Table(*map(escape, COLUMNS))  # headers hold [brackets], not markup
+    for r in rows:
+        table.add_row(*map(escape, row_cells(r)))
+    console.print(table)
+    console.print(summary_line(summary))
+    console.print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'ttft.png'} "
+                  f"({results['wall_s']:.0f} s)")
+    return results
 
 
 if __name__ == "__main__":

@@ -3,7 +3,10 @@
 from indexer.block_summaries import BlockSummaryCache, append, block_summaries, empty_summaries
 from indexer.config import HierarchicalConfig
 from indexer.hierarchical import (
-    coarse_block_scores, fine_topk, hierarchical_topk, hierarchical_topk_with_stats,
+    coarse_block_scores,
+    fine_topk,
+    hierarchical_topk,
+    hierarchical_topk_with_stats,
     select_candidate_blocks,
 )
 from indexer.metrics import block_recall_ceiling, iou, recall, topk_block_fraction

@@ -162,3 +162,11 @@ def bound_keys(cache):
     nonempty = (cache.count > 0)[:, None]
     return jnp.concatenate([jnp.where(nonempty, cache.max, 0.0),
                             jnp.where(nonempty, cache.min, 0.0)], axis=1)
+
+
+def visible_blocks(q_positions, summaries, block_size):
+    """bool[T, n_blocks]: block b is non-empty and starts at or before the query position
+    (q_positions i32[T]; -1 marks a padding row, which sees nothing)."""
+    nb = summaries.count.shape[0]
+    starts = block_size * jnp.arange(nb)
+    return (starts[None, :] <= q_positions[:, None]) & (summaries.count > 0)[None, :]

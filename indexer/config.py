@@ -12,14 +12,44 @@ HEAD_SELECT_KINDS = ("max_abs_weight", "first")
 _INT_MAX = 1 << 30
 
 
+class FrozenConfig:
+    """Shared behaviour of dosa's frozen, validated config dataclasses: `replace`, a plain
+    `to_dict`, and `from_dict`, which rejects unknown keys by name with the allowed ones and
+    builds nested config fields (annotated with a FrozenConfig subclass) from dicts."""
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data):
+        if not isinstance(data, dict):
+            raise ValueError(f"{cls.__name__} expects a mapping, got {type(data).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields {unknown}; allowed: "
+                             f"{sorted(fields)}")
+        values = {}
+        for name, value in data.items():
+            kind = fields[name].type
+            if isinstance(kind, type) and issubclass(kind, FrozenConfig) and isinstance(value,
+                                                                                       dict):
+                value = kind.from_dict(value)
+            values[name] = value
+        return cls(**values)
+
+
 @dataclasses.dataclass(frozen=True)
-class HierarchicalConfig:
+class HierarchicalConfig(FrozenConfig):
     """Knobs of `indexer.hierarchical_topk` (frozen, validated on construction).
 
-    Defaults are tuned for the `small` indexer (H_I=4, d_I=64, top_k=256) on a 2-core CPU
-    (experiments/bench_indexer.py): a budget of 5.5 x top_k tokens (22 blocks: sink, local,
-    16 by pooled mean, 4 by spread), tiles of 16 queries, 128 queries per fine step
-    (smaller steps stay in cache here; the reference deployment uses 1024 on GPUs).
+    Defaults are the `small` indexer's settings (H_I=4, d_I=64, top_k=256): a budget of
+    5.5 x top_k tokens (22 blocks: sink, local, 16 by pooled mean, 4 by spread), tiles of 16
+    queries, 128 queries per fine step (how they were chosen: docs/findings.md). Invalid
+    values raise ValueError naming the field and the allowed range.
 
     block_size: tokens per key block (the unit of block summaries and candidates).
     candidate_tokens: candidate budget per query in tokens (rounded up to whole blocks);
@@ -108,21 +138,6 @@ class HierarchicalConfig:
         if self.fine_batch_size % self.query_tile:
             raise ValueError(f"HierarchicalConfig.fine_batch_size ({self.fine_batch_size}) must be "
                              f"a multiple of query_tile ({self.query_tile})")
-
-    def replace(self, **changes):
-        return dataclasses.replace(self, **changes)
-
-    def to_dict(self):
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data):
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown HierarchicalConfig fields {unknown}; allowed: "
-                             f"{sorted(known)}")
-        return cls(**data)
 
     def candidate_blocks(self, n_blocks):
         """The budget in whole blocks for a context of n_blocks blocks (static)."""

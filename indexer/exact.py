@@ -28,15 +28,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from indexer.block_summaries import block_means, bound_keys
-
-
-def visible_blocks(q_positions, summaries, block_size):
-    """bool[T, n_blocks]: block b is non-empty and starts at or before the query position
-    (q_positions i32[T]; -1 marks a padding row, which sees nothing)."""
-    nb = summaries.count.shape[0]
-    starts = block_size * jnp.arange(nb)
-    return (starts[None, :] <= q_positions[:, None]) & (summaries.count > 0)[None, :]
+from indexer.block_summaries import block_means, bound_keys, visible_blocks
+from indexer.candidates import joint_factor, sort_blocks, table_tokens
 
 
 def block_upper_bounds(q, w, summaries, *, block_size, q_positions, backend=None):
@@ -64,53 +57,9 @@ def block_upper_bounds(q, w, summaries, *, block_size, q_positions, backend=None
     negative = jnp.sum(jnp.where(positive, 0.0, terms), axis=1)
     centered = jnp.sum(jnp.where(positive, wf * jax.nn.relu(center), 0.0), axis=1)
     radius = jnp.where(jnp.isinf(summaries.radius), jnp.inf, summaries.radius)
-    joint = centered + negative + _joint_factor(qf, w)[:, None] * radius[None, :]
+    joint = centered + negative + joint_factor(qf, w)[:, None] * radius[None, :]
     bounds = jnp.where(jnp.isinf(radius)[None, :], per_head, jnp.minimum(per_head, joint))
     return jnp.where(visible_blocks(q_positions, summaries, block_size), bounds, -jnp.inf)
-
-
-def spread_boosted_scores(coarse, q, w, summaries):
-    """Approximate mode's priority for the bound slots, f32[T, n_blocks]: the coarse score
-    plus J_t * r_b, the most the block's spread around its mean could add (J_t: see
-    _joint_factor). Not a bound (the coarse score sums signed heads), but free: it reuses
-    the coarse scores, where block_upper_bounds costs three more products. A block holding
-    one outstanding token has a large radius and ranks high. Blocks without a radius
-    (incomplete) keep their coarse score."""
-    radius = summaries.radius[None, :]
-    boost = _joint_factor(q.astype(jnp.float32), w)[:, None] * radius
-    return jnp.where(jnp.isinf(radius), coarse, coarse + boost)
-
-
-def _joint_factor(q, w):
-    """J per query (f32[T]): max over unit u of sum_{j: w_j >= 0} w_j ReLU(q_j . u), bounded
-    by sqrt(sum_j a_j) * sqrt(max_j sum_k sqrt(a_j a_k) |q^_j . q^_k|), a_j = w_j |q_j|,
-    and by sum_j a_j; slightly inflated to cover rounding."""
-    norms = jnp.linalg.norm(q, axis=-1)  # [T, H]
-    a = jnp.where(w >= 0, w.astype(jnp.float32) * norms, 0.0)
-    unit = q / jnp.maximum(norms, 1e-30)[..., None]
-    cos = jnp.abs(jnp.einsum("thd,tkd->thk", unit, unit, precision=jax.lax.Precision.HIGHEST))
-    ra = jnp.sqrt(a)
-    lam = jnp.max(jnp.sum(ra[:, :, None] * ra[:, None, :] * cos, axis=2), axis=1)
-    total = jnp.sum(a, axis=1)
-    return jnp.minimum(total, jnp.sqrt(total * lam)) * (1 + 1e-5)
-
-
-def table_tokens(block_table, cols, block_size, query_tile):
-    """Token ids of fine-score columns: cols i32[T, K] index the concatenated candidate
-    blocks of each row's tile in block_table i32[n_tiles, n_cand]."""
-    T = cols.shape[0]
-    n_cand = block_table.shape[1]
-    tile = (jnp.arange(T) // query_tile)[:, None]
-    blocks = block_table[tile, jnp.clip(cols // block_size, 0, n_cand - 1)]
-    return blocks * block_size + cols % block_size
-
-
-def sort_blocks(blocks):
-    """Block ids ascending along the last axis, -1 entries last. Fine-stage columns then run
-    in token order, so lax.top_k (stable) breaks score ties by the lower token, as flat does."""
-    big = jnp.iinfo(jnp.int32).max
-    ids = jnp.sort(jnp.where(blocks < 0, big, blocks), axis=-1)
-    return jnp.where(ids == big, -1, ids).astype(jnp.int32)
 
 
 def merge_topk(values, tokens, new_values, new_tokens):

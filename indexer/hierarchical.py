@@ -22,13 +22,23 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from indexer.block_summaries import block_means, block_summaries, num_blocks, slice_blocks
-from indexer.candidates import select_candidate_blocks, table_slots, tile_candidate_union
-from indexer.config import HierarchicalConfig
-from indexer.exact import (
-    block_upper_bounds, refine_exact, sort_blocks, spread_boosted_scores, table_tokens,
+from indexer.block_summaries import (
+    block_means,
+    block_summaries,
+    num_blocks,
+    slice_blocks,
     visible_blocks,
 )
+from indexer.candidates import (
+    select_candidate_blocks,
+    sort_blocks,
+    spread_boosted_scores,
+    table_slots,
+    table_tokens,
+    tile_candidate_union,
+)
+from indexer.config import HierarchicalConfig
+from indexer.exact import block_upper_bounds, refine_exact
 
 __all__ = ["coarse_block_scores", "fine_topk", "hierarchical_topk",
            "hierarchical_topk_with_stats", "select_candidate_blocks"]
@@ -45,8 +55,9 @@ def coarse_block_scores(q, w, summaries, *, block_size, q_offset=0, q_positions=
     q [T, H_I, d_I], w [T, H_I], summaries: BlockSummaryCache of the keys. A block is
     visible to a query iff it is non-empty and its first token is at or before the query
     (the block holding the query is visible); others are -inf. q_positions i32[T]: the
-    rows' positions when some are padding (-1); the others must be q_offset + row. coarse_heads: use only that many heads per
-    query, the largest |w| ("max_abs_weight") or the first ones ("first").
+    rows' positions when some are padding (-1); the others must be q_offset + row.
+    coarse_heads: use only that many heads per query, the largest |w| ("max_abs_weight")
+    or the first ones ("first").
     """
     T, H, _ = q.shape
     if coarse_heads is not None and coarse_heads < H:
@@ -251,7 +262,9 @@ def hierarchical_topk(q, w, k, top_k, config=HierarchicalConfig(), *, q_offset=0
     BlockSummaryCache when already maintained (decode, model prefill), at least
     ceil(L / block_size) blocks; None builds them from k. With config.exact the result
     equals flat top_k as sets (ties aside); otherwise it is flat top_k restricted to each
-    query's candidate blocks.
+    query's candidate blocks. Raises ValueError when top_k is not a positive int,
+    config.candidate_tokens < top_k, config.coarse_heads > H_I or summaries hold fewer
+    blocks than the keys need; TypeError when config is not a HierarchicalConfig.
     """
     return _hierarchical(q, w, k, top_k, config, q_offset=q_offset, summaries=summaries,
                          backend=backend, with_stats=False)

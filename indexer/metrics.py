@@ -1,4 +1,5 @@
-"""Selection-quality metrics against a reference selection (DESIGN section 4)."""
+"""Selection-quality metrics against a reference selection (definitions: docs/design.md,
+section 8)."""
 
 import numpy as np
 

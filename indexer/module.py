@@ -19,10 +19,11 @@ class LightningIndexer(nnx.Module):
         init = nnx.initializers.lecun_normal()
         self.heads, self.dim, self.rope_dim = heads, dim, rope_dim
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
-        self.wq = nnx.Linear(d_model, heads * dim, use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
-        self.wk = nnx.Linear(d_model, dim, use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
+        lin = dict(use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
+        self.wq = nnx.Linear(d_model, heads * dim, **lin)
+        self.wk = nnx.Linear(d_model, dim, **lin)
         self.k_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
-        self.ww = nnx.Linear(d_model, heads, use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
+        self.ww = nnx.Linear(d_model, heads, **lin)
 
     def __call__(self, x, positions, query_hidden=None):
         """x: [T, d_model], positions: i32[T] -> (q [T, H_I, d_I], w [T, H_I], k [T, d_I])."""

@@ -4,15 +4,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import pallas_kernels
 from indexer import flat_topk, hierarchical_topk
 from indexer.rope import apply_rope, rope_angles
 
 
-def dense_causal_attention(q, k, v, *, q_offset=0, scale=None):
-    """q: [T, H, D], k: [L, H_kv, D], v: [L, H_kv, Dv] -> [T, H, Dv].
+def dense_causal_attention(q, k, v, *, q_offset=0, scale=None, return_head_sum=False):
+    """q: [T, H, D], k: [L, H_kv, D], v: [L, H_kv, Dv] -> out [T, H, Dv].
 
     Query i at position q_offset + i sees keys j <= q_offset + i. Softmax in fp32.
+    return_head_sum: also return p f32[T, L], the attention probabilities summed over the
+    H heads and L1-normalised per query (the indexer's KL target), as (out, p).
     """
     T, H, D = q.shape
     L, H_kv, _ = k.shape
@@ -23,26 +24,36 @@ def dense_causal_attention(q, k, v, *, q_offset=0, scale=None):
     logits = jnp.where(visible[:, None, None, :], logits, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("tgrl,lgd->tgrd", probs, v.astype(jnp.float32))
-    return out.reshape(T, H, v.shape[-1]).astype(q.dtype)
+    out = out.reshape(T, H, v.shape[-1]).astype(q.dtype)
+    if not return_head_sum:
+        return out
+    p = jnp.sum(probs, axis=(1, 2))
+    return out, p / jnp.sum(p, axis=-1, keepdims=True)
 
 
 def select_tokens(config, q_index, w_index, k_index, *, q_offset, summaries=None, layer=None):
     """The indexer's top_k selection for queries at q_offset.. -> i32[T, top_k] (-1 padded).
 
     k_index: [L, d_I], the indexer-key cache up to a length bucket (positions past the
-    queries are masked by causality). config.indexer: "flat" (exact, O(T * L)) or
+    queries are masked by causality). config.indexer: "flat" (exact, O(T * L)),
     "hierarchical" (coarse-to-fine with config.hierarchical; summaries: the cache's
     BlockSummaryCache of k_index, at least ceil(L / block_size) blocks, or None to build
-    them from k_index). layer: the layer's index, for config.flat_index_layers (None: the
-    selection config.indexer names).
+    them from k_index), or "window" (the query and the top_k - 1 tokens before it, most
+    recent first: sliding-window attention with no indexer scoring, the baseline that
+    measures what selection costs). layer: the layer's index, for config.flat_index_layers
+    (None: the selection config.indexer names).
     """
     kind = config.indexer if layer is None else config.layer_indexer(layer)
+    if kind == "window":
+        positions = q_offset + jnp.arange(q_index.shape[0])
+        window = positions[:, None] - jnp.arange(config.top_k)[None, :]
+        return jnp.where(window >= 0, window, -1).astype(jnp.int32)
     if kind == "flat":
         return flat_topk(q_index, w_index, k_index, config.top_k, q_offset=q_offset)
     if kind == "hierarchical":
         return hierarchical_topk(q_index, w_index, k_index, config.top_k, config.hierarchical,
                                  q_offset=q_offset, summaries=summaries)
-    raise ValueError(f"ModelConfig.indexer must be 'flat' or 'hierarchical', "
+    raise ValueError(f"ModelConfig.indexer must be 'flat', 'hierarchical' or 'window', "
                      f"got {config.indexer!r}")
 
 
@@ -72,10 +83,3 @@ class Attention(nnx.Module):
 
     def output(self, attn):
         return self.wo(attn.reshape(attn.shape[0], -1))
-
-
-def attend(q, k, v, indices, *, q_offset):
-    """Dense causal attention, or sparse attention over `indices` when they are given."""
-    if indices is None:
-        return dense_causal_attention(q, k, v, q_offset=q_offset)
-    return pallas_kernels.sparse_attention(q, k, v, indices)

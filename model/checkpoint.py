@@ -1,5 +1,6 @@
 """Orbax checkpoints that carry the ModelConfig beside the weights."""
 
+import os
 import pathlib
 
 import jax
@@ -92,3 +93,48 @@ def restore_checkpoint(directory, config=None, *, step=None, extra_target=None):
     nnx.replace_by_pure_dict(params, restored["state"])
     model = nnx.merge(graphdef, params, rest)
     return model, metadata, restored.get("extra") if extra_target is not None else None
+
+
+# ---------------------------------------------------------------- the shipped checkpoint
+
+# The trained `small` model that ships with the repository (made by experiments.training).
+DEFAULT_CHECKPOINT = pathlib.Path(__file__).resolve().parent.parent / "checkpoints" / "small"
+CHECKPOINT_ENV_VAR = "DOSA_CHECKPOINT"
+
+
+class CheckpointMissingError(FileNotFoundError):
+    pass
+
+
+def default_checkpoint_dir():
+    """$DOSA_CHECKPOINT if set, else <repo>/checkpoints/small."""
+    return pathlib.Path(os.environ.get(CHECKPOINT_ENV_VAR) or DEFAULT_CHECKPOINT)
+
+
+def has_checkpoint(directory=None):
+    """Whether `directory` (default: default_checkpoint_dir()) holds a saved step."""
+    directory = pathlib.Path(directory) if directory is not None else default_checkpoint_dir()
+    if not directory.is_dir():
+        return False
+    return any(p.is_dir() and p.name.isdigit() for p in directory.iterdir())
+
+
+def load_default_model(directory=None, *, step=None, **config_overrides):
+    """-> (Transformer, metadata) from `directory` (default: default_checkpoint_dir()).
+
+    config_overrides change run-time switches (attention, indexer, top_k, rope_scaling,
+    prefill_chunk, max_seq_len, dtype); architecture fields must match the stored ones
+    (ValueError otherwise). Raises CheckpointMissingError (a FileNotFoundError) naming the
+    command that makes the checkpoint when there is none.
+    """
+    directory = pathlib.Path(directory) if directory is not None else default_checkpoint_dir()
+    if not has_checkpoint(directory):
+        raise CheckpointMissingError(
+            f"no trained checkpoint at {directory}. It is made by `python -m "
+            f"experiments.training.train --config experiments/configs/train_small.yaml --out "
+            f"{directory}` (docs/training.md), or shipped in the repository as "
+            f"checkpoints/small/; set ${CHECKPOINT_ENV_VAR} to use another directory.")
+    stored, _ = read_config(directory, step)
+    config = stored.replace(**config_overrides) if config_overrides else stored
+    model, metadata, _ = restore_checkpoint(directory, config, step=step)
+    return model, metadata

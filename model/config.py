@@ -3,15 +3,15 @@
 import dataclasses
 import json
 
-from indexer.config import HierarchicalConfig
+from indexer.config import FrozenConfig, HierarchicalConfig
 
 ATTENTION_KINDS = ("dense", "sparse")
-INDEXER_KINDS = ("flat", "hierarchical")
+INDEXER_KINDS = ("flat", "hierarchical", "window")
 DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(FrozenConfig):
     """Shapes and switches of a DSA decoder-only transformer.
 
     Attention is grouped-query (n_heads a multiple of n_kv_heads). Each layer has a
@@ -21,7 +21,8 @@ class ModelConfig:
     them coarse-to-fine with the knobs in `hierarchical` (a HierarchicalConfig; a dict is
     converted). flat_index_layers: layers whose selection stays flat when
     indexer="hierarchical" (e.g. (0,) for a first layer whose top-k is a few byte values
-    scattered over the whole context, which no block selector covers: experiments/README.md).
+    scattered over the whole context, which no block selector covers: docs/findings.md).
+    Invalid values raise ValueError naming the field and the allowed range.
     """
 
     vocab_size: int = 259
@@ -36,7 +37,7 @@ class ModelConfig:
     rope_scaling: float = 1.0  # position interpolation factor for contexts longer than training
     # The indexer's own factor (None: rope_scaling). Its top-k follows its rotary scores,
     # which alias at distances never seen in training; interpolating only the indexer keeps
-    # them in range while the main attention stays exact (experiments/README.md).
+    # them in range while the main attention stays exact (docs/findings.md, "Long context").
     index_rope_scaling: float | None = None
     norm_eps: float = 1e-6
     index_heads: int = 4
@@ -101,9 +102,6 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.hierarchical.candidate_tokens must be >= top_k "
                              f"({self.top_k}), got {budget}")
 
-    def replace(self, **changes):
-        return dataclasses.replace(self, **changes)
-
     @property
     def indexer_rope_scaling(self):
         """The position interpolation factor the indexer's RoPE uses."""
@@ -112,18 +110,6 @@ class ModelConfig:
     def layer_indexer(self, layer):
         """The selection layer `layer` runs: "flat" for flat_index_layers, else `indexer`."""
         return "flat" if layer in self.flat_index_layers else self.indexer
-
-    def to_dict(self):
-        """Plain JSON-able dict; `hierarchical` becomes a nested dict."""
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data):
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown ModelConfig fields {unknown}; allowed: {sorted(known)}")
-        return cls(**data)
 
     def to_json(self):
         return json.dumps(self.to_dict(), sort_keys=True)

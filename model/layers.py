@@ -5,7 +5,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 
-
 class RMSNorm(nnx.Module):
     def __init__(self, dim, *, eps=1e-6):
         self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
@@ -19,10 +18,11 @@ class RMSNorm(nnx.Module):
 
 class SwiGLU(nnx.Module):
     def __init__(self, d_model, d_ff, *, rngs, dtype=jnp.float32):
-        init = nnx.initializers.lecun_normal()
-        self.gate = nnx.Linear(d_model, d_ff, use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
-        self.up = nnx.Linear(d_model, d_ff, use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
-        self.down = nnx.Linear(d_ff, d_model, use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
+        lin = dict(use_bias=False, kernel_init=nnx.initializers.lecun_normal(), dtype=dtype,
+                   rngs=rngs)
+        self.gate = nnx.Linear(d_model, d_ff, **lin)
+        self.up = nnx.Linear(d_model, d_ff, **lin)
+        self.down = nnx.Linear(d_ff, d_model, **lin)
 
     def __call__(self, x):
         return self.down(jax.nn.silu(self.gate(x)) * self.up(x))

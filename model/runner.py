@@ -1,4 +1,10 @@
-"""Prefill and decode over a cache: jitted steps, length buckets, chunked prefill."""
+"""Prefill, decode and generation over a cache: jitted steps, length buckets, chunked prefill.
+
+ModelRunner is the one loop that runs a model over a sequence: serving, the main job,
+evaluation and benchmarks all prefill and decode through it.
+"""
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from model.sampling import sample_token, validate_sampling
-from model.transformer import init_cache
+from model.transformer import check_capture, init_cache
 
 MIN_BUCKET = 256
 
@@ -17,25 +23,102 @@ def length_bucket(n, minimum=MIN_BUCKET):
     return max(minimum, 1 << (int(n) - 1).bit_length())
 
 
+class Chunk(NamedTuple):
+    """One step of a chunked prefill: tokens[offset:offset + length] at `position`, padded
+    to `padded` rows, reading keys [0, kv_len) of the cache."""
+
+    offset: int
+    position: int
+    length: int
+    padded: int
+    kv_len: int
+
+
+def chunk_plan(n, *, start, capacity, chunk):
+    """The chunks a prefill of n tokens at `start` into a cache of `capacity` positions runs
+    (static shapes: padded and kv_len are powers of two, capped by the cache)."""
+    plan = []
+    for offset in range(0, n, chunk):
+        length = min(chunk, n - offset)
+        position = start + offset
+        # Pad to a power-of-two bucket (few compiled shapes) but never past the cache:
+        # dynamic_update_slice would clamp the write back over earlier positions.
+        padded = min(chunk, length_bucket(length, minimum=16), capacity - position)
+        plan.append(Chunk(offset, position, length, padded,
+                          min(capacity, length_bucket(position + padded))))
+    return plan
+
+
 class ModelRunner:
     """Runs one sequence at a time through a Transformer with a KV + indexer-key cache.
 
     Prefill is chunked: chunk c of `prefill_chunk` tokens reads keys up to
     length_bucket(end of chunk), so compute grows with the real context, not a padded
     maximum; the last chunk is padded up to a power-of-two bucket, never past one chunk.
+    The cache passed to prefill/decode is donated (consumed): copy it first
+    (`jax.tree.map(jnp.copy, cache)`) to reuse it.
     """
 
     def __init__(self, model):
         self.config = model.config
         self.graphdef, self.state = nnx.split(model)
 
-        def step(state, tokens, cache, start, kv_len, logit_index):
+        def step(state, tokens, cache, start, kv_len, n_valid, all_logits, capture):
             model = nnx.merge(self.graphdef, state)
-            # Rows past logit_index are padding: kept out of the block summaries.
-            logits, cache = model(tokens, cache, start, kv_len, n_valid=logit_index + 1)
-            return logits[logit_index], cache
+            # Rows past n_valid are padding: kept out of the block summaries.
+            out = model(tokens, cache, start, kv_len, n_valid=n_valid, capture=capture)
+            logits, cache = out[0], out[1]
+            # Per-layer lists -> arrays with a leading layer axis.
+            captured = {kind: jax.tree.map(lambda *xs: jnp.stack(xs), *values)
+                        for kind, values in out[2].items()} if capture else {}
+            if not all_logits:
+                logits = logits[n_valid - 1]
+            return logits, cache, captured
 
-        self._step = jax.jit(step, static_argnames=("kv_len",), donate_argnames=("cache",))
+        self._step = jax.jit(step, static_argnames=("kv_len", "all_logits", "capture"),
+                             donate_argnames=("cache",))
+
+    def compile_prefill(self, n, *, capacity=None, chunk=None, start=0, logits_from=None,
+                        capture=(), capture_from=None):
+        """Compiles, without running, every step a prefill of n tokens with these arguments
+        would run (a warm-up that costs compile time only) -> number of distinct steps."""
+        chunk, capture, capture_from, logits_from = self._check(n, chunk, start, capture,
+                                                                capture_from, logits_from)
+        cap = length_bucket(capacity or (start + n))
+        cache = jax.eval_shape(lambda: init_cache(self.config, cap))
+        seen = set()
+        for c in chunk_plan(n, start=start, capacity=cap, chunk=chunk):
+            key = (c.padded, c.kv_len, *self._chunk_outputs(c, logits_from, capture,
+                                                            capture_from))
+            if key not in seen:
+                seen.add(key)
+                self._step.lower(self.state, jax.ShapeDtypeStruct((c.padded,), jnp.int32),
+                                 cache, c.position, c.kv_len, c.length, key[2],
+                                 key[3]).compile()
+        return len(seen)
+
+    def _check(self, n, chunk, start, capture, capture_from, logits_from):
+        if n < 1:
+            raise ValueError("prefill needs at least one token")
+        chunk = chunk or self.config.prefill_chunk
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1, got {chunk}")
+        capture = check_capture(self.config, capture)
+        capture_from = start if capture_from is None else int(capture_from)
+        if capture and not start <= capture_from < start + n:
+            raise ValueError(f"capture_from must be in [{start}, {start + n - 1}] (the "
+                             f"prefilled positions), got {capture_from}")
+        if logits_from is not None and not start <= logits_from < start + n:
+            raise ValueError(f"logits_from must be None or in [{start}, {start + n - 1}] "
+                             f"(the prefilled positions), got {logits_from}")
+        return chunk, capture, capture_from, logits_from
+
+    @staticmethod
+    def _chunk_outputs(c, logits_from, capture, capture_from):
+        """(all_logits, capture kinds) of chunk c."""
+        end = c.position + c.length
+        all_logits = logits_from is not None and end > logits_from
+        return all_logits, capture if capture and end > capture_from else ()
 
     def new_cache(self, capacity):
         if capacity > self.config.max_seq_len:
@@ -43,34 +126,46 @@ class ModelRunner:
                              f"{self.config.max_seq_len}")
         return init_cache(self.config, length_bucket(capacity))
 
-    def prefill(self, tokens, *, cache=None, capacity=None, chunk=None, start=0):
-        """tokens: ints [N] -> (last-position logits f32[V], cache). Positions start..start+N-1.
+    def prefill(self, tokens, *, cache=None, capacity=None, chunk=None, start=0,
+                logits_from=None, capture=(), capture_from=None):
+        """tokens: ints [N] at positions start..start+N-1 -> (logits, cache), or
+        (logits, cache, captured) when `capture` names kinds (model.CAPTURE_KINDS).
 
-        capacity: positions the cache must hold (default N + start; serving adds room for
-        decoding). A given cache is extended in place (prefix reuse: start > 0).
+        logits: f32[V] for the last position, or f32[M, V] for the M positions >=
+        logits_from (logits_from=start: every position, for evaluation).
+        capacity: positions the cache must hold (default N + start; generation adds room
+        for decoding). A given cache is extended in place (prefix reuse: start > 0).
+        captured: each kind as numpy arrays [n_layers, Q, ...] for the Q queries at
+        positions >= capture_from (default start); chunks before it run without capture.
+        ValueError on an empty prompt, a cache too small, or positions out of range.
         """
         tokens = np.asarray(tokens, dtype=np.int32)
         n = int(tokens.shape[0])
-        if n < 1:
-            raise ValueError("prefill needs at least one token")
-        chunk = chunk or self.config.prefill_chunk
+        chunk, capture, capture_from, logits_from = self._check(n, chunk, start, capture,
+                                                                capture_from, logits_from)
         if cache is None:
             cache = self.new_cache(capacity or (start + n))
         cap = cache[0].k.shape[0]
         if start + n > cap:
             raise ValueError(f"cache holds {cap} positions, prefill needs {start + n}")
-        logits = None
-        for offset in range(0, n, chunk):
-            piece = tokens[offset:offset + chunk]
-            pos = start + offset
-            # Pad to a power-of-two bucket (few compiled shapes) but never past the cache:
-            # dynamic_update_slice would clamp the write back over earlier positions.
-            size = min(chunk, length_bucket(len(piece), minimum=16), cap - pos)
-            padded = np.zeros(size, np.int32)
-            padded[:len(piece)] = piece
-            kv_len = min(cap, length_bucket(pos + size))
-            logits, cache = self._step(self.state, jnp.asarray(padded), cache, pos, kv_len,
-                                       len(piece) - 1)
+        logits, captured = [], []
+        for c in chunk_plan(n, start=start, capacity=cap, chunk=chunk):
+            padded = np.zeros(c.padded, np.int32)
+            padded[:c.length] = tokens[c.offset:c.offset + c.length]
+            all_logits, kinds = self._chunk_outputs(c, logits_from, capture, capture_from)
+            out, cache, got = self._step(self.state, jnp.asarray(padded), cache, c.position,
+                                         c.kv_len, c.length, all_logits, kinds)
+            if all_logits:
+                logits.append(out[max(0, logits_from - c.position):c.length])
+            elif logits_from is None:
+                logits = [out]
+            if kinds:
+                rows = slice(max(0, capture_from - c.position), c.length)
+                captured.append(jax.tree.map(lambda a, rows=rows: np.asarray(a)[:, rows], got))
+        logits = jnp.concatenate(logits) if logits_from is not None else logits[0]
+        if capture:
+            return logits, cache, jax.tree.map(lambda *xs: np.concatenate(xs, axis=1),
+                                               *captured)
         return logits, cache
 
     def decode(self, token, cache, position):
@@ -79,16 +174,22 @@ class ModelRunner:
         if position >= cap:
             raise ValueError(f"cache holds {cap} positions, decode at position {position}")
         kv_len = min(cap, length_bucket(position + 1))
-        return self._step(self.state, jnp.asarray([token], jnp.int32), cache, position, kv_len, 0)
+        logits, cache, _ = self._step(self.state, jnp.asarray([token], jnp.int32), cache,
+                                      position, kv_len, 1, False, ())
+        return logits, cache
 
     def generate(self, prompt, max_new_tokens, *, temperature=0.0, top_p=1.0, seed=0,
-                 stop_tokens=()):
-        """Yields generated token ids one at a time (prefill first, then decode)."""
+                 stop_tokens=(), cache=None, start=0):
+        """Yields generated token ids one at a time (prefill of `prompt` at position
+        `start`, then decode). temperature 0 is greedy. cache: an existing cache holding
+        positions before `start` (donated), with room for the prompt and the new tokens."""
         validate_sampling(temperature, top_p)
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+                or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         n = len(prompt)
-        logits, cache = self.prefill(prompt, capacity=n + max_new_tokens)
+        logits, cache = self.prefill(prompt, cache=cache, start=start,
+                                     capacity=start + n + max_new_tokens)
         key = jax.random.key(seed)
         for i in range(max_new_tokens):
             key, sub = jax.random.split(key)
@@ -96,5 +197,4 @@ class ModelRunner:
             yield token
             if token in stop_tokens or i == max_new_tokens - 1:
                 return
-            logits, cache = self.decode(token, cache, n + i)
-
+            logits, cache = self.decode(token, cache, start + n + i)

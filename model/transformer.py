@@ -1,4 +1,9 @@
-"""The DSA decoder block and the Transformer, run over a per-layer KV + indexer-key cache."""
+"""The DSA decoder block and the Transformer, run over a per-layer KV + indexer-key cache.
+
+`Transformer.__call__` is the model's only layer walk. What training, evaluation and
+benchmarks need from inside it is captured from that same pass (`capture=`), never
+recomputed by a copy of it.
+"""
 
 from typing import NamedTuple
 
@@ -6,11 +11,29 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import pallas_kernels
 from indexer import BlockSummaryCache, LightningIndexer
 from indexer.block_summaries import append as append_summaries
 from indexer.block_summaries import empty_summaries, num_blocks
-from model.attention import Attention, attend, select_tokens
+from model.attention import Attention, dense_causal_attention, select_tokens
 from model.layers import RMSNorm, SwiGLU
+
+# What a pass can capture, per layer, for the T queries of the call:
+#   "indexer":          IndexerInputs(q [T, H_I, d_I], w f32[T, H_I], k [T, d_I]) - the
+#                       indexer's outputs for the call's tokens (differentiable w.r.t. the
+#                       indexer's parameters; its input is detached from the residual stream)
+#   "attention_target": f32[T, kv_len], the dense attention probabilities summed over heads
+#                       and L1-normalised per query (the indexer warm-up's KL target;
+#                       attention="dense" only)
+#   "indices":          i32[T, top_k], the tokens the sparse pass attended to (-1 = none;
+#                       attention="sparse" only)
+CAPTURE_KINDS = ("indexer", "attention_target", "indices")
+
+
+class IndexerInputs(NamedTuple):
+    q: jax.Array
+    w: jax.Array
+    k: jax.Array
 
 
 class LayerCache(NamedTuple):
@@ -40,6 +63,22 @@ def init_cache(config, capacity):
             for _ in range(config.n_layers)]
 
 
+def check_capture(config, capture):
+    """capture as a sorted tuple (hashable, a static jit argument); ValueError on a kind
+    that is unknown or that this config's attention does not produce."""
+    capture = tuple(sorted(set(capture)))
+    unknown = [c for c in capture if c not in CAPTURE_KINDS]
+    if unknown:
+        raise ValueError(f"capture: unknown kinds {unknown}; allowed: {list(CAPTURE_KINDS)}")
+    if "attention_target" in capture and config.attention != "dense":
+        raise ValueError("capture 'attention_target' needs attention='dense' "
+                         f"(got attention={config.attention!r})")
+    if "indices" in capture and config.attention != "sparse":
+        raise ValueError("capture 'indices' needs attention='sparse' "
+                         f"(got attention={config.attention!r})")
+    return capture
+
+
 def _write(cache_array, new, start):
     return jax.lax.dynamic_update_slice_in_dim(cache_array, new.astype(cache_array.dtype), start, 0)
 
@@ -60,18 +99,21 @@ class DecoderBlock(nnx.Module):
         self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.d_ff, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cache, start, kv_len, n_valid=None):
+    def __call__(self, x, cache, start, kv_len, n_valid=None, capture=()):
         """x: [T, d_model] at positions start.. ; keys read from cache[:kv_len].
 
-        Returns (x_out, new_cache). kv_len is static; positions past start + T inside it hold
-        stale or zero entries, which the causal mask hides. n_valid (traced is fine): only the
-        first n_valid rows are real tokens (a padded prefill chunk); the rest are written to
-        the key caches (later overwritten) but kept out of the block summaries. Default T.
+        Returns (x_out, new_cache, captured): captured maps each kind in `capture` (see
+        CAPTURE_KINDS; checked by the Transformer) to this layer's value. kv_len is static;
+        positions past start + T inside it hold stale or zero entries, which the causal
+        mask hides. n_valid (traced is fine): only the first n_valid rows are real tokens
+        (a padded prefill chunk); the rest are written to the key caches (later
+        overwritten) but kept out of the block summaries. Default T.
         """
         T = x.shape[0]
         positions = start + jnp.arange(T)
         h = self.attn_norm(x)
         q, k, v = self.attn.project(h, positions)
+        # The indexer learns only from its own loss (DSA): its input is detached.
         q_index, w_index, k_index = self.indexer(jax.lax.stop_gradient(h), positions)
         k_index_cache = _write(cache.k_index, k_index, start)
         summaries = cache.summaries
@@ -81,14 +123,33 @@ class DecoderBlock(nnx.Module):
                 n_valid=n_valid, keys=k_index_cache)
         cache = LayerCache(_write(cache.k, k, start), _write(cache.v, v, start), k_index_cache,
                            summaries)
-        indices = None
+        captured = {}
+        if "indexer" in capture:
+            captured["indexer"] = IndexerInputs(q_index, w_index, k_index)
+        keys, values = cache.k[:kv_len], cache.v[:kv_len]
         if self.config.attention == "sparse":
             indices = select_tokens(self.config, q_index, w_index, cache.k_index[:kv_len],
                                     q_offset=start, summaries=summaries, layer=self.layer)
-        out = attend(q, cache.k[:kv_len], cache.v[:kv_len], indices, q_offset=start)
+            out = pallas_kernels.sparse_attention(q, keys, values, indices)
+            if "indices" in capture:
+                captured["indices"] = indices
+        elif "attention_target" in capture:
+            out, p = dense_causal_attention(q, keys, values, q_offset=start,
+                                            return_head_sum=True)
+            captured["attention_target"] = jax.lax.stop_gradient(p)
+        else:
+            out = dense_causal_attention(q, keys, values, q_offset=start)
         x = x + self.attn.output(out)
         x = x + self.mlp(self.mlp_norm(x))
-        return x, cache
+        return x, cache, captured
+
+
+def _block_call(block, x, cache, start, kv_len, n_valid, capture):
+    return block(x, cache, start, kv_len, n_valid, capture)
+
+
+# Rematerialised block for training memory: one block's activations alive at a time.
+_remat_block_call = nnx.remat(_block_call, static_argnums=(4, 6))
 
 
 class Transformer(nnx.Module):
@@ -102,20 +163,42 @@ class Transformer(nnx.Module):
         self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, dtype=dtype,
                                   kernel_init=nnx.initializers.lecun_normal(), rngs=rngs)
 
-    def __call__(self, tokens, cache, start, kv_len, n_valid=None):
-        """tokens: i32[T] at positions start..start+T-1 -> (logits f32[T, V], new cache).
+    def __call__(self, tokens, cache, start, kv_len, n_valid=None, *, capture=(), remat=False):
+        """tokens: i32[T] at positions start..start+T-1 -> (logits f32[T, V], new cache), or
+        (logits, new cache, captured) when `capture` names kinds (CAPTURE_KINDS): captured
+        maps each kind to a list over layers.
 
-        n_valid: the first n_valid tokens are real, the rest padding (default T)."""
+        n_valid: the first n_valid tokens are real, the rest padding (default T).
+        remat: rematerialise each block in the backward pass (training memory).
+        """
+        kinds = check_capture(self.config, capture)
+        call = _remat_block_call if remat else _block_call
         x = self.embed(tokens)
         new_cache = []
+        captured = {kind: [] for kind in kinds}
         for layer, layer_cache in zip(self.layers, cache):
-            x, layer_cache = layer(x, layer_cache, start, kv_len, n_valid)
+            x, layer_cache, layer_captured = call(layer, x, layer_cache, start, kv_len, n_valid,
+                                                  kinds)
             new_cache.append(layer_cache)
+            for kind in kinds:
+                captured[kind].append(layer_captured[kind])
         logits = self.lm_head(self.final_norm(x)).astype(jnp.float32)
+        if kinds:
+            return logits, new_cache, captured
         return logits, new_cache
 
-    def forward(self, tokens):
-        """Full-sequence logits f32[T, V] from scratch (training, evaluation)."""
+    def forward(self, tokens, *, capture=(), remat=False):
+        """Full-sequence logits f32[T, V] from scratch (training, evaluation); with
+        `capture`, (logits, captured) as in __call__."""
         T = tokens.shape[0]
-        logits, _ = self(tokens, init_cache(self.config, T), 0, T)
-        return logits
+        out = self(tokens, init_cache(self.config, T), 0, T, capture=capture, remat=remat)
+        return (out[0], out[2]) if capture else out[0]
+
+
+def with_config(model, config):
+    """The same weights under other run-time switches (attention, indexer, top_k,
+    rope_scaling...): a Transformer sharing `model`'s parameter arrays."""
+    other = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    graphdef, _ = nnx.split(other)
+    _, state = nnx.split(model)
+    return nnx.merge(graphdef, state)

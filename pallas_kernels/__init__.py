@@ -8,4 +8,5 @@ from pallas_kernels.api import (
     sparse_attention,
 )
 
-__all__ = ["BACKENDS", "gathered_index_scores", "index_scores", "resolve_backend", "sparse_attention"]
+__all__ = ["BACKENDS", "gathered_index_scores", "index_scores", "resolve_backend",
+           "sparse_attention"]

@@ -1,6 +1,6 @@
 """Helpers shared by the Pallas kernels (padding, tile-size rules, the indexer head loop).
 
-Triton-backend facts these helpers encode (DESIGN.md section 5):
+Triton-backend facts these helpers encode (docs/design.md, section 6):
 - every array a kernel loads or stores must have a power-of-two number of elements, and a
   `pl.dot` operand needs every dimension >= 16; the wrappers pad to such shapes and slice;
 - a kernel reads scalars from 1-element int32 refs (no scalar prefetch on Triton), which is

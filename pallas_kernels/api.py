@@ -9,7 +9,9 @@ through the functions here.
 import jax
 
 from pallas_kernels.gathered_index_scores import (
-    gathered_index_scores_pallas, gathered_index_scores_reference)
+    gathered_index_scores_pallas,
+    gathered_index_scores_reference,
+)
 from pallas_kernels.index_scores import index_scores_pallas, index_scores_reference
 from pallas_kernels.sparse_attention import sparse_attention_pallas, sparse_attention_reference
 

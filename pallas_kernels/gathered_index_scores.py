@@ -6,8 +6,9 @@ through the block table instead of sliced from the key array: each program owns 
 queries and `block_k` consecutive output columns, reads the ids of the candidate blocks
 behind those columns from the table (scalar int loads), loads each block's keys as one
 contiguous slice starting at block_id * block_size, runs the same head loop (q.k -> ReLU ->
-weighted head sum, fp32), and writes -inf for invalid, out-of-range and future tokens. Programs whose columns are all
-invalid or all in the future of their queries skip the loads and matmuls.
+weighted head sum, fp32), and writes -inf for invalid, out-of-range and future tokens.
+Programs whose columns are all invalid or all in the future of their queries skip the loads
+and matmuls.
 """
 
 import dataclasses
@@ -18,7 +19,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (
-    as_offset_array, check_pow2, compiler_params, dot_dim, neg_inf, pad_axis, round_up,
+    as_offset_array,
+    check_pow2,
+    compiler_params,
+    dot_dim,
+    neg_inf,
+    pad_axis,
+    round_up,
     tile_size,
     weighted_relu_scores,
 )
@@ -68,7 +75,7 @@ class GatheredScoresConfig:
 
     block_q: int = 64
     block_k: int = 128
-    num_warps: int = 8  # fastest of the tried configs on an H200 (pallas_kernels/bench.py)
+    num_warps: int = 8  # defaults measured on an H200: docs/findings.md, "Kernel defaults"
     num_stages: int = 3
 
     def __post_init__(self):

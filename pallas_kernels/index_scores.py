@@ -20,7 +20,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (
-    as_offset_array, check_pow2, compiler_params, dot_dim, neg_inf, pad_axis, round_up,
+    as_offset_array,
+    check_pow2,
+    compiler_params,
+    dot_dim,
+    neg_inf,
+    pad_axis,
+    round_up,
     tile_size,
     weighted_relu_scores,
 )
@@ -55,7 +61,7 @@ class IndexScoresConfig:
       the Triton backend over Mosaic GPU).
     """
 
-    block_q: int = 64  # 64 x 128, 4 warps, 2 stages: fastest tried on an H200 (bench.py)
+    block_q: int = 64  # defaults measured on an H200: docs/findings.md, "Kernel defaults"
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 2

@@ -19,7 +19,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (
-    check_pow2, compiler_params, dot_dim, dot_nn, dot_t, pad_axis, round_up)
+    check_pow2,
+    compiler_params,
+    dot_dim,
+    dot_nn,
+    dot_t,
+    pad_axis,
+    round_up,
+)
 
 
 def sparse_attention_reference(q, k, v, indices, *, scale=None):
@@ -67,8 +74,8 @@ class SparseAttentionConfig:
     num_warps, num_stages: Triton launch parameters.
     """
 
-    # block_k=128 with 8 warps, 2 stages: fastest tried on an H200 (bench.py tune section;
-    # skip_empty_chunks=True measured 2x slower there).
+    # Defaults measured on an H200 (skip_empty_chunks=True about 2x slower there):
+    # docs/findings.md, "Kernel defaults".
     block_k: int = 128
     block_h: int = 64
     num_warps: int = 8
@@ -128,8 +135,8 @@ def _sparse_attention_kernel(cnt_ref, q_ref, idx_ref, k_ref, v_ref, *rest, scale
             jnp.full((bh,), -jnp.inf, jnp.float32),
             jnp.zeros((bh,), jnp.float32))
     # Dynamic trip count: a query with 100 selected tokens does 2 chunks, not K / block_k.
-    acc, _, l = lax.fori_loop(0, cnt_ref[0], body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[:, None]  # no valid entry at all -> zeros
+    acc, _, denom = lax.fori_loop(0, cnt_ref[0], body, init)
+    out = acc / jnp.where(denom > 0, denom, 1.0)[:, None]  # no valid entry at all -> zeros
     o_ref[...] = out.astype(o_ref.dtype)
 
 

@@ -1,0 +1,1 @@
+"""Benchmarks: speed ratios measured side by side in one run."""

@@ -1,0 +1,398 @@
+"""Rates for the cost model: seconds per FLOP, byte, top-k and sort element of each op kind.
+
+GPUs: datasheet peaks (dense, no sparsity) times an efficiency per op kind taken from the
+committed H200 kernel benchmark (results/gpu/pallas_bench_h200.json), measured at its
+shortest length only, so its longer lengths stay out-of-sample for the validation. "cpu":
+this machine, each op kind timed in the same run on the modeled config's shapes (the jnp
+references the model runs on CPU), best of a few repeats.
+
+Time of one op (experiments.costmodel sums them):
+  FLOP kinds  GPU: max(flops / rate, bytes / bandwidth), the roofline of a kernel that
+              streams its operands while it computes (gathered rows count only the share
+              that misses the L2 cache); CPU: flops / rate, the rate having been timed on
+              the whole op, memory traffic included;
+  top-k       rows x k log2 k x topk_row + elements x topk_element (a partial sort: a
+              per-row cost growing with k, plus a pass over the row);
+  sort        elements x sort_element + elements x log2(row) x sort_log;
+  memory      bytes / bandwidth;   comm: bytes / interconnect bandwidth.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import time
+
+from experiments.common import REPO_ROOT
+from experiments.costmodel.counts import Op
+
+FLOP_KINDS = ("matmul", "index_scores", "gathered_scores", "sparse_attention",
+              "dense_attention")
+KERNEL_JSON = REPO_ROOT / "results" / "gpu" / "pallas_bench_h200.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Datasheet figures of one device (dense tensor-core peaks, TFLOP/s; HBM TB/s and GB;
+    L2 MB; interconnect GB/s per GPU)."""
+
+    name: str
+    bf16_tflops: float
+    fp8_tflops: float | None
+    tf32_tflops: float
+    hbm_tb_s: float
+    memory_gb: float
+    l2_mb: float
+    link_gb_s: float
+    link: str
+
+
+# Datasheet peaks as published by NVIDIA (dense, no structured sparsity). float32 models run
+# their matmuls as TF32 on these GPUs (XLA's default precision), so "tf32" is their peak.
+HARDWARE = {
+    "a100": Hardware("A100 SXM 80GB", 312.0, None, 156.0, 2.0, 80.0, 40.0, 600.0, "NVLink 3"),
+    "h100": Hardware("H100 SXM", 989.0, 1979.0, 494.5, 3.35, 80.0, 50.0, 900.0, "NVLink 4"),
+    "h200": Hardware("H200 SXM", 989.0, 1979.0, 494.5, 4.8, 141.0, 50.0, 900.0, "NVLink 4"),
+}
+HARDWARE_CHOICES = ("cpu", *HARDWARE)
+
+
+@dataclasses.dataclass
+class Rates:
+    """flops: {kind: FLOP/s}; memory, link: bytes/s; topk_row: seconds per k log2 k per row;
+    topk_element, sort_element: seconds per element; sort_log: seconds per element x
+    log2(row length); sources: {what: where it came from}."""
+
+    name: str
+    flops: dict
+    memory: float
+    topk_row: float
+    topk_element: float
+    sort_element: float
+    sort_log: float
+    link: float | None = None
+    memory_bytes: float | None = None
+    cache_bytes: float = 0.0
+    roofline: bool = True
+    sources: dict = dataclasses.field(default_factory=dict)
+
+    def to_dict(self):
+        return dataclasses.asdict(self)
+
+
+def memory_bytes(op, rates):
+    """Bytes an op moves through main memory: its streamed bytes plus the share of its
+    random row reads that miss the cache, 1 - cache / source for uniformly random rows of a
+    source array (all of them hit when the source fits)."""
+    miss = 1.0
+    if op.gather_source and rates.cache_bytes:
+        miss = max(0.0, 1.0 - rates.cache_bytes / op.gather_source)
+    return op.bytes + op.gather_bytes * miss
+
+
+def op_seconds(op, rates):
+    """Predicted seconds of one counted op (counts.Op)."""
+    if op.kind in FLOP_KINDS:
+        compute = op.flops / rates.flops[op.kind]
+        return max(compute, memory_bytes(op, rates) / rates.memory) if rates.roofline \
+            else compute
+    if op.kind == "topk":
+        k = max(op.k, 2)
+        return op.rows * k * math.log2(k) * rates.topk_row + op.elements * rates.topk_element
+    if op.kind == "sort":
+        return op.elements * rates.sort_element + op.sort_work * rates.sort_log
+    if op.kind == "memory":
+        return op.bytes / rates.memory
+    if op.kind == "comm":
+        return op.bytes / rates.link if rates.link else 0.0
+    raise ValueError(f"unknown op kind {op.kind!r}")
+
+
+# ------------------------------------------------------------------- the H200 kernel file
+
+def repo_path(path):
+    """`path` relative to the repository when inside it (no machine paths in results)."""
+    try:
+        return str(pathlib.Path(path).resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _row(results, section, name_start, L):
+    for r in results:
+        if r["section"] == section and r["name"].startswith(name_start) and r["L"] == L:
+            return r
+    return None
+
+
+def kernel_calibration(path=KERNEL_JSON):
+    """Efficiencies and the top-k rate from the committed H200 kernel benchmark, at its
+    shortest length L0 (longer lengths are left for validation):
+      matmul            env.matmul_tflops (bf16 jnp.dot yardstick)
+      index_scores      'pallas index_scores whole causal sequence' at L0 (causal pairs)
+      gathered_scores   'tuning' row of gathered_index_scores with the config the run chose
+      sparse_attention  'sparse_attention (pallas)' at L0;  dense: 'dense causal ... (cudnn)'
+      top-k             (flat selection - whole-sequence scores) / (L0 x L0 elements): flat
+                        runs lax.top_k over full rows of L0 keys for all L0 queries
+    Returns a dict (TFLOP/s, seconds per element, the figures used and their rows)."""
+    data = json.loads(pathlib.Path(path).read_text())
+    res = data["results"]
+    L0 = min(r["L"] for r in res if r["section"] == "select")
+    scores = _row(res, "scores", "pallas index_scores whole", L0)
+    flat = _row(res, "select", "flat", L0)
+    sparse = _row(res, "attention", "sparse_attention", L0)
+    dense = _row(res, "attention", "dense causal", L0)
+    chosen = data.get("tuned", {}).get("gathered_index_scores")
+    gathered = [t for t in data.get("tuning", []) if t["kernel"] == "gathered_index_scores"]
+    pick = [t for t in gathered if t["config"] == chosen] or gathered
+    gathered_tflops = max(t["tflops"] for t in pick)
+    topk = (flat["time_s"] - scores["time_s"]) / (L0 * L0)
+    return {"device": data["env"]["device_kind"], "jax": data["env"]["jax"],
+            "calibration_length": L0,
+            "tflops": {"matmul": data["env"]["matmul_tflops"], "index_scores": scores["tflops"],
+                       "gathered_scores": gathered_tflops, "sparse_attention": sparse["tflops"],
+                       "dense_attention": dense["tflops"]},
+            "topk_element_s": topk, "measured_peak_tflops": HARDWARE["h200"].bf16_tflops,
+            "measured_hbm_tb_s": HARDWARE["h200"].hbm_tb_s,
+            "source": repo_path(path)}
+
+
+def gpu_rates(key, dtype, calibration):
+    """Rates of one GPU: its peak for `dtype` (bf16, or TF32 for float32) times the H200's
+    measured fraction of the H200 peak per kind; HBM at datasheet bandwidth (no committed
+    measurement is bandwidth-bound); top-k and sort per element scaled from the H200 by the
+    HBM bandwidth ratio (XLA's GPU top-k with large k is a sort, memory-bound)."""
+    hw = HARDWARE[key]
+    peak = hw.bf16_tflops if dtype == "bfloat16" else hw.tf32_tflops
+    base = calibration["measured_peak_tflops"]
+    flops = {k: peak * 1e12 * v / base for k, v in calibration["tflops"].items()}
+    per_el = calibration["topk_element_s"] * calibration["measured_hbm_tb_s"] / hw.hbm_tb_s
+    src = (f"{calibration['source']} ({calibration['device']}, jax {calibration['jax']}, "
+           f"L={calibration['calibration_length']})")
+    sources = {k: f"{v:.0f} TFLOP/s measured on the H200 = {v / base:.3f} of its bf16 peak; "
+               f"{src}" for k, v in calibration["tflops"].items()}
+    sources["topk"] = (f"{1 / calibration['topk_element_s']:.3g} elements/s on the H200 "
+                       f"(flat selection minus its scores), x {hw.hbm_tb_s} / "
+                       f"{calibration['measured_hbm_tb_s']} TB/s; {src}")
+    sources["sort"] = "as top-k per element (XLA's GPU sort); not measured"
+    sources["memory"] = (f"{hw.hbm_tb_s} TB/s datasheet, efficiency 1.0 (not measured); "
+                         f"random row gathers from arrays within its {hw.l2_mb:.0f} MB L2 hit")
+    sources["peak"] = f"{peak} TFLOP/s datasheet ({'bf16' if dtype == 'bfloat16' else 'tf32'})"
+    return Rates(hw.name, flops, hw.hbm_tb_s * 1e12, 0.0, per_el, per_el, 0.0,
+                 link=hw.link_gb_s * 1e9, memory_bytes=hw.memory_gb * 1e9,
+                 cache_bytes=hw.l2_mb * 1e6, sources=sources)
+
+
+# ------------------------------------------------------------------------- CPU, measured
+
+def _best_seconds(fn, args, repeats):
+    """Best of `repeats` timed calls after a compile + warm-up call. The best, not the
+    median: other processes share the cores, and the fastest call is the least disturbed."""
+    return _best_seconds_interleaved([(fn, args)], repeats)[0]
+
+
+def _best_seconds_interleaved(calls, repeats):
+    """Best seconds of each (fn, args) in `calls`, timed in turn `repeats` times after a
+    compile + warm-up call each, so that every call sees the same spells of contention."""
+    import jax
+
+    for fn, args in calls:
+        jax.block_until_ready(fn(*args))
+    best = [math.inf] * len(calls)
+    for _ in range(repeats):
+        for i, (fn, args) in enumerate(calls):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
+def _looped(body):
+    """jit of a loop running body on step i's slice of the inputs for i < n, n traced (one
+    compile for every n), each step's output added into the carry so that none is dead."""
+    import jax
+    from jax import lax
+
+    def run(xs, n, *shared):
+        def one(i, acc):
+            x = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), xs)
+            return acc + body(x, *shared)
+
+        first = jax.eval_shape(lambda: body(jax.tree.map(lambda a: a[0], xs), *shared))
+        return lax.fori_loop(0, n, one, jax.numpy.zeros(first.shape, first.dtype))
+
+    return jax.jit(run)
+
+
+def _step_seconds(body, steps_input, shared, repeats):
+    """Seconds per loop step of body: (t(S steps) - t(1 step)) / (S - 1), S the leading size
+    of steps_input. The implementation runs every selection op inside a loop over query
+    chunks (lax.map), where buffers are reused from step to step; the difference drops what
+    a call pays once (fresh buffers, first touch of their pages), which a lone call would
+    mix into the rate."""
+    import jax
+    import jax.numpy as jnp
+
+    fn = _looped(body)
+    S = jax.tree.leaves(steps_input)[0].shape[0]
+    t1, tS = _best_seconds_interleaved(
+        [(fn, (steps_input, jnp.int32(n), *shared)) for n in (1, S)], repeats)
+    # A difference lost in the noise (under 1/4 of a step of the long call): the mean step.
+    return (tS - t1) / (S - 1) if tS - t1 > tS / (4 * S) else tS / S
+
+
+def _in_place_seconds(x, repeats):
+    """Best seconds of x * 2 + 1 written over x (a donated buffer: no fresh pages)."""
+    import jax
+
+    f = jax.jit(lambda x: x * 2.0 + 1.0, donate_argnums=0)
+    x = jax.block_until_ready(f(x))
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x = jax.block_until_ready(f(x))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_cpu_rates(config, repeats=3):
+    """Times each op kind on this machine, in this run, with the config's indexer and
+    attention shapes, per lax.map step (see _step_seconds): index scores and top-k on query
+    chunks of 128 against 16384 keys (the regime of long contexts, where a chunk's
+    intermediates outgrow the caches), the shorter fine-stage and attention ops on chunks
+    of 512. About five seconds in all."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    from indexer.hierarchical import PACKED_MAX_COLUMN_BITS, packed_topk
+    from pallas_kernels.gathered_index_scores import gathered_index_scores_reference
+    from pallas_kernels.index_scores import index_scores_reference
+    from pallas_kernels.sparse_attention import sparse_attention_reference
+
+    c, hc = config, config.hierarchical
+    dt = jnp.dtype(c.dtype)
+    H, d, K, B = c.index_heads, c.index_dim, c.top_k, hc.block_size
+    rng = np.random.default_rng(0)
+    S, T, L = 4, 128, 16384
+
+    def normal(*shape, dtype=dt):
+        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype=dtype)
+
+    def step(body, xs, *shared):
+        return _step_seconds(body, xs, shared, repeats)
+
+    times, counts = {}, {}
+    a = normal(1024, 1024, dtype=jnp.float32)
+    times["matmul"] = _best_seconds(jax.jit(jnp.dot), (a, a), repeats)
+    counts["matmul"] = 2 * 1024 ** 3
+    # Top-k at two row lengths -> a per-row cost (k log2 k) and a per-element cost.
+    n1, n2 = max(1024, 2 * K), max(L, 8 * K)
+    t1, t2 = (step(lambda x: lax.top_k(x, K)[1], normal(S, T, m, dtype=jnp.float32)) / T
+              for m in (n1, n2))
+    per_el = max((t2 - t1) / (n2 - n1), 1e-12)
+    per_row = max(t1 - per_el * n1, 0.0) / (K * math.log2(max(K, 2)))
+    # Index scores (the jnp reference: every query x key pair) as flat selection runs them,
+    # feeding lax.top_k (another consumer lets XLA fuse differently): the step minus the
+    # top-k just measured on rows of the same length. The largest share of a long flat
+    # prefill: 6 steps and one more repeat. The floor of 1/4 of the step guards against a
+    # top-k measured slower than the pair by noise.
+    k = normal(L, d)
+    both = _step_seconds(
+        lambda x, k: lax.top_k(index_scores_reference(x[0], x[1], k, q_offset=L - T), K)[1],
+        (normal(6, T, H, d), normal(6, T, H, dtype=jnp.float32)), (k,), repeats + 1)
+    times["index_scores"] = max(both - T * t2, both / 4)
+    counts["index_scores"] = 2 * H * d * T * L
+    # Fine stage: the gathered reference over random blocks, a table of the config's size,
+    # fine_batch_size queries per step as hierarchical_topk maps them.
+    Tf = max(hc.query_tile, min(hc.fine_batch_size, 4 * T) // hc.query_tile * hc.query_tile)
+    tile = min(hc.query_tile, Tf)
+    n_union = (hc.tile_candidate_tokens or 2 * (hc.candidate_tokens or 4 * K)) // B
+    n_union = max(1, min(n_union, L // B))
+    table = jnp.asarray(rng.integers(0, L // B, (8, Tf // tile, n_union)), jnp.int32)
+    times["gathered_scores"] = step(  # a short step: 8 of them, so the difference shows
+        lambda x, k: jnp.max(gathered_index_scores_reference(
+            x[0], x[1], k, x[2], block_size=B, q_offset=L - Tf), axis=1),
+        (normal(8, Tf, H, d), normal(8, Tf, H, dtype=jnp.float32), table), k)
+    counts["gathered_scores"] = 2 * H * d * Tf * n_union * B
+    # Sparse attention: the reference over top_k random tokens per query.
+    kv = normal(L, c.n_kv_heads, c.head_dim)
+    idx = jnp.asarray(rng.integers(0, L, (S, 2 * T, K)), jnp.int32)
+    times["sparse_attention"] = _step_seconds(  # noisy at this size: more repeats
+        lambda x, kv: sparse_attention_reference(x[0], kv, kv, x[1]),
+        (normal(S, 2 * T, c.n_heads, c.head_dim), idx), (kv,), repeats + 2)
+    counts["sparse_attention"] = 4 * c.n_heads * c.head_dim * K * 2 * T
+    # Sort: the fast-ranking packed sort at the config's ranking width (capped at its limit).
+    width = min(max(K, (hc.candidate_tokens or 4 * K)), 1 << PACKED_MAX_COLUMN_BITS)
+    t_sort = step(lambda x: packed_topk(x, min(K, width))[1],
+                  normal(S, 2 * T, width, dtype=jnp.float32))
+    sort_log = t_sort / (2 * T * width * math.log2(width))
+    # Memory: an elementwise pass in place (read + write 64 MB): the intermediates of the
+    # memory ops live in buffers a call has already touched.
+    bandwidth = 2 * 4 * (1 << 24) / _in_place_seconds(normal(1 << 24, dtype=jnp.float32),
+                                                      repeats)
+    flops = {kind: counts[kind] / times[kind] for kind in counts}
+    flops["dense_attention"] = flops["matmul"]
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    sources = {kind: f"{flops[kind] / 1e9:.1f} GFLOP/s measured in this run "
+               f"({counts[kind] / 1e9:.2f} GFLOP per step in {times[kind] * 1e3:.1f} ms)"
+               for kind in counts}
+    sources["matmul"] = sources["matmul"].replace(" per step", "")
+    sources["dense_attention"] = "the matmul rate (dense attention is not timed on CPU)"
+    sources["topk"] = (f"lax.top_k(k={K}) over rows of {n1} and of {n2}: "
+                       f"{per_row * 1e9:.2f} ns per k log2 k per row + "
+                       f"{per_el * 1e9:.2f} ns per element, measured in this run")
+    sources["sort"] = (f"packed_topk over rows of {width}: {sort_log * 1e9:.2f} ns per "
+                       f"element x log2(row), measured in this run")
+    sources["memory"] = (f"{bandwidth / 1e9:.1f} GB/s: x * 2 + 1 in place over 64 MB, in "
+                         f"this run")
+    sources["roofline"] = ("no: each FLOP kind's rate was timed on the whole op, its memory "
+                           "traffic included")
+    sources["load_average"] = (f"{load:.2f} (1-minute load average while calibrating: other "
+                               f"processes on these cores slow every measured rate)"
+                               if load is not None else "unknown")
+    return Rates("cpu (this machine)", flops, bandwidth, per_row, per_el, 0.0, sort_log,
+                 roofline=False, sources=sources)
+
+
+# ------------------------------------------------------------------------- predictions
+
+STAGE_RULE = ("each op takes max(compute time, memory time) on a GPU, the roofline of a "
+              "kernel that streams its operands while it computes, and its measured rate on "
+              "CPU (timed on the whole op, memory traffic included); top-k and sort take "
+              "their own measured rates; ops and stages add up, because they run one after "
+              "another, each consuming the previous one's output (neither XLA nor the "
+              "kernels overlap them)")
+
+
+def ops_seconds(ops, rates):
+    """{stage: seconds} and [(stage, name, seconds)] of an OpList."""
+    stages, detail = {}, []
+    for op in ops:
+        t = op_seconds(op, rates)
+        stages[op.stage] = stages.get(op.stage, 0.0) + t
+        detail.append((op.stage, op.name, t))
+    return stages, detail
+
+
+def predict(counts, rates, *, devices=1, index_key_bytes=0.0, length=0, n_layers=0):
+    """Predicted prefill from counts (counts.PrefillCounts): per-stage seconds,
+    TTFT (other + indexer + attention), the split and the indexer share. devices > 1:
+    sequence parallel with balanced work (each device does 1 / devices of every op) plus
+    an all-gather of the indexer keys per layer over the interconnect ((devices - 1) /
+    devices x length x index_key_bytes received per layer), counted in the indexer stage."""
+    ops = counts.total()
+    if devices > 1:
+        ops = ops.scaled(1.0 / devices)
+        ops.add(Op("indexer", "all-gather indexer keys", "comm",
+                   bytes=(devices - 1) / devices * length * index_key_bytes * n_layers))
+    stages, detail = ops_seconds(ops, rates)
+    ttft = sum(stages.get(s, 0.0) for s in ("other", "indexer", "attention"))
+    dense = stages.get("other", 0.0) + stages.get("dense_attention", 0.0)
+    return {"stages_s": {s: stages.get(s, 0.0) for s in ("other", "indexer", "attention")},
+            "ttft_s": ttft, "dense_ttft_s": dense,
+            "split": {s: stages.get(s, 0.0) / ttft for s in ("other", "indexer", "attention")},
+            "indexer_share": stages.get("indexer", 0.0) / ttft,
+            "ops_s": [{"stage": s, "op": n, "seconds": t} for s, n, t in detail]}

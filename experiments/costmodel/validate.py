@@ -1,0 +1,241 @@
+"""The cost model against measured points, and its DeepSeek-V3.2 projection.
+
+Validation reproduces every committed measurement the model can express, with the same
+shapes and the same code path as the run that measured it:
+  cpu   results/bench_prefill_small_sparse.json: prefill seconds of the `small` model
+        (random weights) per indexer variant, as ModelRunner chunks it;
+        results/bench_indexer.json: selection seconds of the last `queries` queries of each
+        context (median over its three input kinds: timing does not depend on the inputs);
+  h200  results/gpu/pallas_bench_h200.json: whole-sequence index scores, flat and
+        hierarchical selection (its pipeline of record: one table of the best coarse blocks
+        per query tile), sparse and dense attention. Rows at the file's shortest length are
+        the GPU calibration points; the longer ones are out-of-sample.
+"""
+
+import json
+import pathlib
+import statistics
+
+from experiments.common import REPO_ROOT
+from experiments.costmodel.counts import (
+    AttentionShape,
+    Chunk,
+    OpList,
+    Selection,
+    attention_ops,
+    gqa_attention,
+    prefill_counts,
+    selection_ops,
+)
+from experiments.costmodel.rates import gpu_rates, ops_seconds, predict
+from indexer import HierarchicalConfig
+from model import ModelConfig, get_config
+
+PREFILL_JSON = REPO_ROOT / "results" / "bench_prefill_small_sparse.json"
+INDEXER_JSON = REPO_ROOT / "results" / "bench_indexer.json"
+
+
+def _row(where, what, L, predicted, measured, note=""):
+    return {"where": where, "what": what, "length": L, "predicted_s": predicted,
+            "measured_s": measured, "error": predicted / measured - 1.0, "note": note}
+
+
+def cpu_prefill_rows(rates, path=PREFILL_JSON):
+    """Prefill TTFT of each variant of the committed CPU prefill benchmark."""
+    data = json.loads(pathlib.Path(path).read_text())
+    rows = []
+    for r in data["rows"]:
+        L = r["tokens"]
+        for name, seconds in r["seconds"].items():
+            config = ModelConfig.from_dict(data["variants"][name])
+            pred = predict(prefill_counts(config, L, skip=False), rates)
+            rows.append(_row("cpu", f"prefill {name}", L, pred["ttft_s"], seconds,
+                             f"predicted indexer share {pred['indexer_share']:.0%}"))
+    return rows
+
+
+def cpu_selection_rows(rates, path=INDEXER_JSON):
+    """Selection seconds of the committed CPU indexer benchmark (jnp references)."""
+    data = json.loads(pathlib.Path(path).read_text())
+    s = data["setup"]
+    config = HierarchicalConfig.from_dict(s["hierarchical"])
+    rows = []
+    for r in data["lengths"]:
+        L, T = r["length"], r["queries"]
+        kinds = [k for k in ("random", "structured", "unaligned") if k in r]
+        for kind, key in (("flat", "flat_s"), ("hierarchical", "hierarchical_s")):
+            sel = Selection(kind, s["H"], s["d"], s["top_k"], 4, config)
+            stages, _ = ops_seconds(OpList(selection_ops(sel, T, L - T, L, skip=False)), rates)
+            measured = statistics.median(r[k][key] for k in kinds)
+            rows.append(_row("cpu", f"selection {kind}, last {T} queries", L,
+                             stages["indexer"], measured, "median of the input kinds"))
+    return rows
+
+
+def _record_selection(args):
+    """The H200 benchmark's selection, as the counts' Selection."""
+    budget = args["cand_factor"] * args["top_k"]
+    config = HierarchicalConfig(
+        block_size=args["block"], candidate_tokens=budget, tile_candidate_tokens=budget,
+        share_tile_candidates=True, query_tile=args["query_tile"], fine_batch_size=args["chunk"],
+        sink_blocks=1, local_blocks=2, bound_blocks=0, fast_ranking=False)
+    return {kind: Selection(kind, args["heads"], args["dim"], args["top_k"], 2, config,
+                            tile_candidates=True) for kind in ("flat", "hierarchical")}
+
+
+def h200_rows(calibration, path):
+    """The committed H200 rows, predicted from the H200 rates (calibrated at the shortest
+    length, so only those rows are fitted)."""
+    data = json.loads(pathlib.Path(path).read_text())
+    args = data["args"]
+    rates = gpu_rates("h200", "bfloat16", calibration)
+    L0 = calibration["calibration_length"]
+    sels = _record_selection(args)
+    attn = AttentionShape(args["attn_heads"], args["attn_kv_heads"], args["attn_dim"],
+                          args["attn_dim"], 2 * args["attn_dim"], 0, "benchmark")
+    rows = []
+    for L in args["lengths"]:
+        chunk = min(args["chunk"], L)
+        chunks = [Chunk(chunk, c * chunk, L) for c in range(L // chunk)]
+        pred = {}
+        for kind, sel in sels.items():
+            ops = OpList()
+            for ch in chunks:
+                ops.extend(selection_ops(sel, ch.queries, ch.start, ch.kv_len, skip=True))
+            pred[kind] = ops_seconds(ops, rates)[0]["indexer"]
+            if kind == "flat":
+                scores = [op for op in ops if op.name == "flat scores"]
+                pred["scores"] = ops_seconds(OpList(scores), rates)[0]["indexer"]
+        att = ops_seconds(OpList(attention_ops(attn, L, 0, L, args["top_k"], 2, True)), rates)[0]
+        pred["sparse"], pred["dense"] = att["attention"], att["dense_attention"]
+        for what, section, start in (("scores", "scores", "pallas index_scores whole"),
+                                     ("flat", "select", "flat"),
+                                     ("hierarchical", "select", "hierarchical"),
+                                     ("sparse", "attention", "sparse_attention"),
+                                     ("dense", "attention", "dense causal")):
+            m = [r for r in data["results"] if r["section"] == section and r["L"] == L
+                 and r["name"].startswith(start) and r.get("time_s")]
+            if not m:
+                continue
+            fitted = L == L0 and what != "hierarchical"
+            rows.append(_row("h200", {"scores": "index scores, whole sequence",
+                                      "flat": "flat selection", "hierarchical":
+                                      "hierarchical selection", "sparse": "sparse attention",
+                                      "dense": "dense attention (cuDNN)"}[what], L, pred[what],
+                             m[0]["time_s"], "calibration point" if fitted else ""))
+    return rows
+
+
+def summary(rows, min_length=16384):
+    """Largest and median |error| over out-of-sample rows at >= min_length tokens."""
+    errs = [abs(r["error"]) for r in rows
+            if r["length"] >= min_length and r.get("note") != "calibration point"]
+    if not errs:
+        return {}
+    return {"rows": len(errs), "median_abs_error": statistics.median(errs),
+            "max_abs_error": max(errs), "within_30_percent": sum(e <= 0.3 for e in errs),
+            "min_length": min_length}
+
+
+def ratio_rows(rows):
+    """Flat / hierarchical time ratios of the same setup, predicted vs measured: they do
+    not depend on how fast the machine ran when it was calibrated or measured."""
+    by_key = {(r["where"], r["what"], r["length"]): r for r in rows}
+    out = []
+    for (where, what, L), hier in by_key.items():
+        if "hierarchical" not in what:
+            continue
+        flat = by_key.get((where, what.replace("hierarchical:0", "hierarchical")
+                           .replace("hierarchical", "flat"), L))
+        if flat is not None:
+            pred = flat["predicted_s"] / hier["predicted_s"]
+            meas = flat["measured_s"] / hier["measured_s"]
+            label = hier["what"].replace("hierarchical", "flat / hierarchical", 1)
+            out.append({"where": where, "what": label,
+                        "length": L, "predicted": pred, "measured": meas,
+                        "error": pred / meas - 1.0})
+    return out
+
+
+# ---------------------------------------------------------------------- DeepSeek-V3.2
+
+def mla_attention(d_model=7168, heads=128, q_rank=1536, kv_rank=512, rope=64, nope=128,
+                  v_dim=128):
+    """DeepSeek-V3's MLA (its published config.json: q_lora_rank 1536, kv_lora_rank 512,
+    qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128, 128 heads) run in MQA mode,
+    as V3.2 runs DSA: one shared latent of kv_rank + rope values per token, read once for
+    all heads; scores over kv_rank + rope dims, values over kv_rank dims."""
+    params = (d_model * q_rank + q_rank * heads * (nope + rope) + d_model * (kv_rank + rope)
+              + kv_rank * heads * (nope + v_dim) + heads * v_dim * d_model)
+    return AttentionShape(heads, 1, kv_rank + rope, kv_rank, kv_rank + rope, params,
+                          f"MLA in MQA mode, {heads} heads, latent {kv_rank}+{rope}")
+
+
+V32_LENGTHS = (131072, 262144, 524288, 1048576)
+V32_SETUPS = (("a100", 4), ("h200", 8))
+
+
+def v32_table(calibration, lengths=V32_LENGTHS, setups=V32_SETUPS):
+    """Flat vs hierarchical TTFT of the deepseek-v3.2 preset, sequence parallel, with the
+    preset's GQA stand-in for MLA and with MLA in MQA mode (how V3.2 runs DSA)."""
+    config = get_config("deepseek-v3.2")
+    key_bytes = config.index_dim * 2
+    rows = []
+    for attn in (gqa_attention(config), mla_attention()):
+        for hw, devices in setups:
+            rates = gpu_rates(hw, config.dtype, calibration)
+            for L in lengths:
+                pred = {}
+                for kind in ("flat", "hierarchical"):
+                    counts = prefill_counts(config, L, skip=True, indexer=kind, attention=attn)
+                    pred[kind] = predict(counts, rates, devices=devices, length=L,
+                                         index_key_bytes=key_bytes, n_layers=config.n_layers)
+                f, h = pred["flat"], pred["hierarchical"]
+                rows.append({"attention": attn.label, "hardware": hw, "devices": devices,
+                             "length": L, "flat_ttft_s": f["ttft_s"],
+                             "hierarchical_ttft_s": h["ttft_s"],
+                             "ttft_ratio": f["ttft_s"] / h["ttft_s"],
+                             "indexer_share_flat": f["indexer_share"],
+                             "indexer_share_hierarchical": h["indexer_share"],
+                             "split_flat": f["split"], "split_hierarchical": h["split"]})
+    return rows
+
+
+def v32_assumptions(calibration):
+    config = get_config("deepseek-v3.2")
+    h = config.hierarchical
+    return [
+        f"Shapes: preset deepseek-v3.2 ({config.n_layers} layers, d_model {config.d_model}, "
+        f"indexer H_I={config.index_heads}, d_I={config.index_dim}, top_k={config.top_k}, "
+        f"bf16, prefill chunks of {config.prefill_chunk} with the runner's power-of-two key "
+        f"buckets); hierarchical: blocks of {h.block_size}, {h.candidate_tokens} candidate "
+        f"tokens per query, tiles of {h.query_tile} queries sharing "
+        f"{h.tile_candidate_tokens or 2 * h.candidate_tokens} table tokens, "
+        f"{h.bound_blocks} spread blocks; ranking by lax.top_k (8192 columns exceed the "
+        f"packed sort's 4096).",
+        "MLP: the preset's dense d_ff 18432 = V3.2's active experts (8 routed + 1 shared, "
+        "2048 each), so FLOPs per token match; the 671B MoE weights (and expert "
+        "parallelism) are not modeled, so memory capacity is not checked here.",
+        "Attention, two rows per setup: the preset's GQA stand-in (128 kv heads x 192: each "
+        "query gathers 2048 x 128 x 384 values, memory-bound) and MLA in MQA mode as V3.2 "
+        "runs DSA (one 576-value latent per token shared by all 128 heads; projection "
+        "parameters of V3's config.json).",
+        "Sequence parallel: each device prefills L / devices queries with balanced causal "
+        "work (a zigzag split of query chunks), every query scoring all earlier keys; the "
+        "indexer keys are all-gathered per layer (d_I x 2 bytes, bf16 as dosa stores them; "
+        "V3.2's FP8 keys would halve it) over NVLink (A100 600 GB/s, H200 900 GB/s), not "
+        "overlapped with compute; the main-attention KV exchange is not counted.",
+        f"Rates: datasheet bf16 peaks (A100 312, H200 989 TFLOP/s; no FP8 path in dosa) x the "
+        f"fraction of peak each kernel reached on the H200 at "
+        f"{calibration['calibration_length']} tokens "
+        f"(results/gpu/pallas_bench_h200.json); top-k per element from the same file, scaled "
+        f"by HBM bandwidth (A100 2.0, H200 4.8 TB/s); A100 efficiencies assumed equal to the "
+        f"H200's.",
+        "Sparse attention at the fraction of peak the H200 kernel reached with 16 heads per kv "
+        "head of 128 dims (10%); MQA-mode MLA shares each gathered row across 128 heads and "
+        "would likely run faster, so attention is the pessimistic side. GPU top-k (every one, "
+        "whatever its k) at the per-element cost of the flat top-k (k=2048) measured on the "
+        "H200: pessimistic for the small-k block selections of the hierarchical indexer.",
+        "TTFT = other + indexer + attention of the slowest (here: every) device; compile time, "
+        "kernel launch gaps and host overheads are not modeled.",
+    ]

@@ -1,0 +1,1 @@
+"""Evaluation of a trained model on held-out text: perplexity, agreement, recall, probes."""

@@ -1,0 +1,48 @@
+"""Comparisons of two methods on the same text: next-token agreement and KL of their
+distributions, and the overlap of their token selections on identical indexer inputs."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from indexer import iou, recall
+from model import length_bucket
+from model.attention import select_tokens
+
+
+def pair_metrics(lp_a, lp_b):
+    """Greedy agreement and mean KL(P_a || P_b) over positions."""
+    agree = float(np.mean(np.argmax(lp_a, -1) == np.argmax(lp_b, -1)))
+    kl = np.sum(np.exp(lp_a) * (lp_a - lp_b), axis=-1, dtype=np.float64)
+    return {"agreement": round(agree, 6), "kl_mean": float(np.mean(kl)),
+            "kl_max": float(np.max(kl))}
+
+
+def selection_metrics(flat, other):
+    """Per-layer recall and IoU of `other` against `flat` (i32[n_layers, Q, K])."""
+    layers = [{"layer": i, "recall": round(recall(other[i], flat[i]), 6),
+               "iou": round(iou(other[i], flat[i]), 6)} for i in range(flat.shape[0])]
+    return {"layers": layers, "queries": int(flat.shape[1]),
+            "recall_mean": round(float(np.mean([x["recall"] for x in layers])), 6),
+            "iou_mean": round(float(np.mean([x["iou"] for x in layers])), 6)}
+
+
+@functools.partial(jax.jit, static_argnames=("config", "layer", "q_offset"))
+def layer_selection(config, layer, q_offset, q, w, k_index, summaries):
+    return select_tokens(config, q, w, k_index, q_offset=q_offset, summaries=summaries,
+                         layer=layer)
+
+
+def selections_on_captured(config, captured, cache, q_offset, length):
+    """`config`'s selection, layer by layer, on indexer inputs captured from a pass
+    (captured["indexer"]: q [n_layers, Q, H_I, d_I], w [n_layers, Q, H_I] for the queries at
+    positions q_offset..q_offset+Q-1) over that pass's cache (keys of `length` positions)
+    -> i32[n_layers, Q, top_k]."""
+    q, w = captured["indexer"].q, captured["indexer"].w
+    kv_len = min(cache[0].k_index.shape[0], length_bucket(length))
+    return np.stack([np.asarray(layer_selection(config, i, q_offset, jnp.asarray(q[i]),
+                                                 jnp.asarray(w[i]), c.k_index[:kv_len],
+                                                 c.summaries))
+                     for i, c in enumerate(cache)])

@@ -1,0 +1,1 @@
+"""One-off studies whose findings are recorded in docs/."""

@@ -1,0 +1,1 @@
+"""Training: the YAML-configured trainer, its typed config, losses and train steps."""

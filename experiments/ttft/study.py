@@ -1,0 +1,151 @@
+"""The TTFT study: every mode at every length, then the comparisons and the summary."""
+
+import platform
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from experiments.data import Corpus, eval_sequence
+from experiments.evaluation.metrics import pair_metrics
+from experiments.ttft.measure import baseline_ttft_ms, measure_mode, selection_overlap
+from model import Transformer, get_config, length_bucket, load_default_model
+
+METHOD = {
+    "ttft": "prefill start to the first token on the host (last logits ready, argmax), median "
+            "over the timed repetitions after a compile-only warm-up",
+    "split": "TTFT differences of the same model, baselines measured once per length: "
+             "indexer = TTFT - TTFT with indexer='window' (each query reads the top_k tokens "
+             "before it: the same attention, no selection scoring); attention = that window "
+             "baseline - the window baseline with top_k = 1 (dense: TTFT - the top_k = 1 "
+             "baseline); other = the top_k = 1 baseline (projections, MLP, caches, logits)",
+    "fidelity": "teacher-forced over the last fidelity_positions positions of the same text: "
+                "greedy top-1 agreement and mean KL(P_reference || P_mode) of the next-token "
+                "distributions; recall and IoU of the mode's selection against the "
+                "reference's on the reference pass's own indexer inputs (last positions, all "
+                "layers)",
+    "decode": "median wall time of one decode step right after the prefill (greedy)",
+}
+
+
+def load_source(source, capacity):
+    """-> (model, description, random_weights, held-out token stream); the model holds
+    contexts of `capacity` tokens. A checkpoint that is not there raises
+    model.CheckpointMissingError (never a silent random model)."""
+    overrides = dict(source.overrides)
+    if source.random_weights:
+        preset = get_config(source.preset)
+        overrides.setdefault("max_seq_len", max(length_bucket(capacity), preset.max_seq_len))
+        model = Transformer(get_config(source.preset, **overrides), rngs=nnx.Rngs(0))
+        return model, f"preset {source.preset}, random weights", True, Corpus().heldout_tokens
+    if "max_seq_len" not in overrides:
+        model, metadata = load_default_model(source.checkpoint)
+        overrides["max_seq_len"] = max(length_bucket(capacity), model.config.max_seq_len)
+    model, metadata = load_default_model(source.checkpoint, **overrides)
+    step = (metadata.get("training") or {}).get("total_steps")
+    name = source.checkpoint or "checkpoints/small"
+    corpus = Corpus(heldout_fraction=float(metadata.get("data", {}).get("heldout_fraction",
+                                                                        0.05)))
+    return model, f"checkpoint {name} (step {step})", False, corpus.heldout_tokens
+
+
+def _skipped(length, spec, reason):
+    return {"context_len": length, "mode": spec.name, "skipped": reason, "ttft_ms": None,
+            "indexer_ms": None, "attention_ms": None, "other_ms": None,
+            "indexer_share": None, "recall": None, "iou": None, "top1_agreement": None,
+            "logit_kl": None}
+
+
+def _out_of_memory(error):
+    return isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error)
+
+
+def compare(run, runs, model_config, random_weights):
+    """Fills each row's fidelity figures from the ModeRuns of one length (in place)."""
+    ref = runs.get(run.reference)
+    dense = next((r for name, r in runs.items() if run.mode(name).attention == "dense"), None)
+    for name, mode_run in runs.items():
+        row, spec = mode_run.row, run.mode(name)
+        if random_weights or mode_run.tail_logprobs is None:
+            continue
+        if ref is not None and name != run.reference:
+            pair = pair_metrics(ref.tail_logprobs, mode_run.tail_logprobs)
+            row.update(top1_agreement=pair["agreement"], logit_kl=pair["kl_mean"])
+            if spec.sparse:
+                row["recall"], row["iou"] = selection_overlap(
+                    spec.model_config(model_config), ref, row["context_len"])
+        if dense is not None and mode_run is not dense:
+            pair = pair_metrics(dense.tail_logprobs, mode_run.tail_logprobs)
+            row.update(top1_agreement_vs_dense=pair["agreement"],
+                       logit_kl_vs_dense=pair["kl_mean"])
+
+
+def summary(run, rows):
+    """The comparison at the longest length where the reference and compare modes ran."""
+    done = {(r["context_len"], r["mode"]): r for r in rows if not r.get("skipped")}
+    lengths = [L for L in sorted(run.lengths, reverse=True)
+               if (L, run.reference) in done and (L, run.compare) in done]
+    if not lengths:
+        return {"context_len": None, "ttft_ratio": None, "indexer_share_flat": None,
+                "indexer_share_hierarchical": None, "recall": None, "top1_agreement": None}
+    ref, cmp = done[(lengths[0], run.reference)], done[(lengths[0], run.compare)]
+    decode = None
+    if ref.get("decode_step_ms") and cmp.get("decode_step_ms"):
+        decode = cmp["decode_step_ms"]["median"] / ref["decode_step_ms"]["median"]
+    return {"context_len": lengths[0], "reference": run.reference, "compare": run.compare,
+            "ttft_ratio": cmp["ttft_ms"]["median"] / ref["ttft_ms"]["median"],
+            "indexer_share_flat": ref["indexer_share"],
+            "indexer_share_hierarchical": cmp["indexer_share"],
+            "recall": cmp["recall"], "top1_agreement": cmp["top1_agreement"],
+            "decode_step_ratio": decode}
+
+
+def run_study(run, model, heldout_tokens, *, random_weights, progress=None, log=print):
+    """-> (rows, summary). progress(description) is called before each step; log(line)
+    after each measured (length, mode)."""
+    rows = []
+    for length in run.lengths:
+        tokens = eval_sequence(heldout_tokens, length)
+        runs, windows = {}, {}
+
+        def baseline_ms(config, top_k, tokens=tokens, windows=windows):
+            key = (top_k, config.prefill_chunk)  # what a baseline's cost depends on
+            if key not in windows:
+                if progress:
+                    progress(f"{len(tokens)} tokens, window baseline (top_k {top_k})",
+                             advance=False)
+                windows[key] = baseline_ttft_ms(model, config, tokens, run, top_k=top_k)
+            return windows[key]
+
+        order = sorted(run.modes, key=lambda m: m.name != run.reference)  # reference first
+        for spec in order:
+            if spec.max_length is not None and length > spec.max_length:
+                rows.append(_skipped(length, spec, f"max_length {spec.max_length}"))
+                continue
+            if progress:
+                progress(f"{length} tokens, {spec.name}")
+            t0 = time.perf_counter()
+            try:
+                runs[spec.name] = measure_mode(model, spec, tokens, run, baseline_ms=baseline_ms)
+            except Exception as e:  # noqa: BLE001 - a run that does not fit is reported
+                if not _out_of_memory(e):
+                    raise
+                rows.append(_skipped(length, spec, f"out of memory: {str(e)[:200]}"))
+                log(f"{length:>7} {spec.name:<22} skipped: out of memory")
+                continue
+            row = runs[spec.name].row
+            row["wall_s"] = time.perf_counter() - t0
+            rows.append(row)
+            log(f"{length:>7} {spec.name:<22} TTFT {row['ttft_ms']['median']:9.1f} ms "
+                f"(indexer share {row['indexer_share']:.2f}) [{row['wall_s']:.0f} s]")
+        compare(run, runs, model.config, random_weights)
+        del runs
+    return rows, summary(run, rows)
+
+
+def environment():
+    device = jax.devices()[0]
+    return {"jax": jax.__version__, "backend": jax.default_backend(),
+            "device": device.device_kind, "device_count": jax.device_count(),
+            "python": platform.python_version(), "numpy": np.__version__}

@@ -1,0 +1,101 @@
+"""`python -m experiments.run`: the TTFT study's results.json schema on a tiny config, the
+split's arithmetic, the report, and usage errors for bad configs."""
+
+import json
+
+import pytest
+import yaml
+
+from experiments import run as main_job
+from experiments.ttft.config import RunConfig, load_run_config
+
+TINY = {"model": {"checkpoint": None}, "lengths": [320],
+        "modes": [{"name": "sparse-flat", "attention": "sparse", "indexer": "flat"},
+                  {"name": "sparse-hierarchical", "attention": "sparse",
+                   "indexer": "hierarchical"},
+                  {"name": "dense", "attention": "dense"}],
+        "repetitions": 2, "fidelity_positions": 64, "decode_steps": 2}
+RUN_KEYS = {"context_len", "mode", "ttft_ms", "indexer_ms", "attention_ms", "other_ms",
+            "indexer_share", "recall", "iou", "top1_agreement", "logit_kl"}
+
+
+def _config(tmp_path, data):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("run")
+    main_job.main(["--config", _config(tmp, TINY), "--out", str(tmp / "out")])
+    return tmp / "out"
+
+
+@pytest.mark.slow
+def test_results_json_schema(tiny_results):
+    results = json.loads((tiny_results / "results.json").read_text())
+    assert set(results) >= {"config", "env", "runs", "summary"}
+    assert set(results["env"]) >= {"jax", "backend", "device"}
+    assert [(r["context_len"], r["mode"]) for r in results["runs"]] == [
+        (320, "sparse-flat"), (320, "sparse-hierarchical"), (320, "dense")]
+    for r in results["runs"]:
+        assert RUN_KEYS <= set(r)
+        assert set(r["ttft_ms"]) >= {"median", "min", "max"} and len(r["ttft_ms"]["runs"]) == 2
+        assert r["ttft_ms"]["min"] <= r["ttft_ms"]["median"] <= r["ttft_ms"]["max"]
+        # other is the remainder of the measured TTFT: the parts add up to it.
+        parts = r["indexer_ms"] + r["attention_ms"] + r["other_ms"]
+        assert parts == pytest.approx(r["ttft_ms"]["median"])
+        assert r["indexer_share"] == pytest.approx(r["indexer_ms"] / r["ttft_ms"]["median"])
+    flat, hier, dense = results["runs"]
+    assert flat["recall"] is None and flat["top1_agreement"] is None  # the reference itself
+    assert 0 < hier["recall"] <= 1 and 0 < hier["iou"] <= hier["recall"]
+    assert 0 <= hier["top1_agreement"] <= 1 and hier["logit_kl"] >= 0
+    assert dense["indexer_ms"] == 0 and dense["recall"] is None
+    assert dense["top1_agreement"] is not None and flat["top1_agreement_vs_dense"] is not None
+    s = results["summary"]
+    assert s["context_len"] == 320
+    assert s["ttft_ratio"] == pytest.approx(hier["ttft_ms"]["median"] / flat["ttft_ms"]["median"])
+    assert s["recall"] == hier["recall"] and s["indexer_share_flat"] == flat["indexer_share"]
+
+
+@pytest.mark.slow
+def test_report_and_plot_are_written(tiny_results):
+    report = (tiny_results / "report.md").read_text()
+    assert "| 320 | sparse-hierarchical |" in report
+    assert "add up to the measured TTFT exactly" in report
+    assert (tiny_results / "ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_default_config_loads_and_matches_the_documented_run():
+    run = load_run_config(main_job.DEFAULT_CONFIG)
+    assert run.lengths == (8192, 16384, 32768)
+    assert [m.name for m in run.modes] == ["sparse-flat", "sparse-hierarchical", "dense"]
+    assert run.mode("dense").max_length == 8192
+
+
+@pytest.mark.parametrize("override, message", [
+    ("lengths=[0]", "lengths must be a non-empty list of ints >= 2"),
+    ("modes=[{name: a, indexer: exact}]", "modes[0].indexer must be one of"),
+    ("reference=dense", "reference must be a sparse mode"),
+    ("colour=blue", "unknown RunConfig fields ['colour']"),
+    ("model.checkpoint=/nonexistent/dir", "no trained checkpoint at /nonexistent/dir"),
+    ("modes=[{name: sparse-flat, hierarchical: {block_size: 0}}]",
+     "sparse-flat: HierarchicalConfig.block_size"),
+])
+def test_bad_configs_are_usage_errors(override, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main_job.main(["--set", "lengths=[256]", "--set", "fidelity_positions=64",
+                       "--set", "compare=sparse-flat", "--set", override])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_missing_config_file_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit):
+        main_job.main(["--config", "nope.yaml"])
+    assert "--config nope.yaml: no such file" in capsys.readouterr().err
+
+
+def test_random_weights_need_a_preset():
+    with pytest.raises(ValueError, match="model.preset together with model.random_weights"):
+        RunConfig.from_dict({"model": {"random_weights": True}})

@@ -1,0 +1,85 @@
+"""sparse_attention Pallas kernel (interpret mode) against its jnp reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels.sparse_attention import (
+    SparseAttentionConfig,
+    sparse_attention_pallas,
+    sparse_attention_reference,
+)
+from tests.pallas_kernels.test_kernels_common import POISON, normal
+
+
+def qkv(seed, T, L, H, H_kv, D, Dv, dtype=jnp.float32):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (normal(kq, (T, H, D), dtype), normal(kk, (L, H_kv, D), dtype),
+            normal(kv, (L, H_kv, Dv), dtype))
+
+
+def selector_indices(seed, T, K, L, q_offset=0):
+    """Selector format: causal random tokens first, -1 padding last (min(K, t+1) valid)."""
+    t = q_offset + jnp.arange(T)[:, None]
+    u = jax.random.uniform(jax.random.key(seed), (T, K))
+    idx = jnp.minimum((u * (t + 1)).astype(jnp.int32), L - 1)
+    return jnp.where(jnp.arange(K)[None, :] <= t, idx, -1)
+
+
+def check(out, ref, dtype):
+    out = np.asarray(out, np.float32)
+    assert not np.isnan(out).any(), "unwritten/NaN output"
+    tol = 2e-5 if dtype == jnp.float32 else 1.6e-2  # bf16 output: about two ulps
+    np.testing.assert_allclose(out, np.asarray(ref, np.float32), rtol=tol, atol=tol)
+
+
+def test_gqa_ragged_dims_scattered_minus_one():
+    """GQA, D and Dv not powers of two, K not a chunk multiple, -1 anywhere, one empty row."""
+    T, L, K = 7, 50, 37
+    q, k, v = qkv(0, T, L, 4, 2, 24, 20)
+    idx = jax.random.randint(jax.random.key(1), (T, K), -1, L).at[1].set(-1)
+    out = sparse_attention_pallas(q, k, v, idx, config=SparseAttentionConfig(block_k=16),
+                                  interpret=True, poison=POISON)
+    check(out, sparse_attention_reference(q, k, v, idx), jnp.float32)
+    assert not np.asarray(out[1]).any()  # nothing selected -> zeros
+
+
+@pytest.mark.parametrize("skip_empty", [False, True])
+def test_selector_format_bf16(skip_empty):
+    """Trailing -1 padding (rows with 1..K valid entries and one with none), MQA, bf16."""
+    T, L, K = 12, 300, 100
+    q, k, v = qkv(2, T, L, 16, 1, 64, 64, jnp.bfloat16)
+    idx = selector_indices(3, T, K, L, q_offset=40).at[5].set(-1)
+    idx = idx.at[0, :60].set(-1)  # a whole chunk of -1 before valid entries
+    cfg = SparseAttentionConfig(block_k=16, skip_empty_chunks=skip_empty)
+    out = sparse_attention_pallas(q, k, v, idx, config=cfg, interpret=True, poison=POISON)
+    check(out, sparse_attention_reference(q, k, v, idx), jnp.bfloat16)
+    assert not np.asarray(out[5], np.float32).any()
+
+
+def test_head_blocks_scale_and_duplicates():
+    """G = 32 query heads per kv head in programs of 16; explicit scale; repeated ids."""
+    T, L, K = 5, 40, 24
+    q, k, v = qkv(4, T, L, 32, 1, 16, 16)
+    idx = jax.random.randint(jax.random.key(5), (T, K), 0, 8)  # many duplicates
+    out = sparse_attention_pallas(q, k, v, idx, scale=0.3,
+                                  config=SparseAttentionConfig(block_k=16, block_h=16),
+                                  interpret=True, poison=POISON)
+    check(out, sparse_attention_reference(q, k, v, idx, scale=0.3), jnp.float32)
+
+
+def test_all_rows_empty():
+    q, k, v = qkv(6, 4, 30, 4, 1, 16, 16)
+    idx = jnp.full((4, 20), -1, jnp.int32)
+    out = sparse_attention_pallas(q, k, v, idx, interpret=True, poison=POISON)
+    np.testing.assert_array_equal(np.asarray(out), 0.0)
+
+
+def test_api_dispatch():
+    q, k, v = qkv(7, 6, 30, 4, 2, 16, 16)
+    idx = selector_indices(8, 6, 16, 30, q_offset=10)
+    xla = pallas_kernels.sparse_attention(q, k, v, idx, backend="xla")
+    interp = pallas_kernels.sparse_attention(q, k, v, idx, backend="interpret")
+    check(interp, xla, jnp.float32)
