@@ -141,8 +141,9 @@ class _Plan(NamedTuple):
     own: bool  # rank each query over its own candidates (else the tile's union)
 
 
-def _plan(config, T, L, top_k, H):
-    """Static sizes of one hierarchical_topk call."""
+def hierarchical_plan(config, T, L, top_k, H):
+    """Static sizes of one hierarchical_topk call of T queries over L keys with H heads
+    (ValueError on a budget below top_k or more coarse heads than H)."""
     B = config.block_size
     if config.candidate_tokens is not None and config.candidate_tokens < top_k:
         raise ValueError(f"HierarchicalConfig.candidate_tokens ({config.candidate_tokens}) must "
@@ -185,7 +186,7 @@ def _hierarchical(q, w, k, top_k, config, *, q_offset, summaries, backend, with_
         raise TypeError(f"config must be a HierarchicalConfig, got {type(config).__name__}")
     T, H, _ = q.shape
     B = config.block_size
-    plan = _plan(config, T, k.shape[0], top_k, H)
+    plan = hierarchical_plan(config, T, k.shape[0], top_k, H)
     nb, tile, chunk = plan.n_blocks, plan.tile, plan.chunk
     if summaries is None:
         summaries = block_summaries(k, B)

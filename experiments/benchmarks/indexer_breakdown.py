@@ -45,7 +45,7 @@ from indexer.candidates import (
     table_slots,
     tile_candidate_union,
 )
-from indexer.hierarchical import _plan, coarse_block_scores, fine_topk
+from indexer.hierarchical import coarse_block_scores, fine_topk, hierarchical_plan
 from indexer.scoring import topk_indices
 from model import get_config
 
@@ -55,7 +55,7 @@ def step_functions(q, w, k, top_k, config, q_offset):
     each step jitted alone with the previous steps' outputs as inputs."""
     C, H, _ = q.shape
     B = config.block_size
-    plan = _plan(config, C, k.shape[0], top_k, H)
+    plan = hierarchical_plan(config, C, k.shape[0], top_k, H)
     bound_blocks = min(config.bound_blocks, plan.n_cand)
     pos = q_offset + jnp.arange(C)
     summaries = block_summaries(k, B)

@@ -15,7 +15,7 @@ traffic.
 import dataclasses
 import math
 
-from indexer.hierarchical import PACKED_MAX_COLUMN_BITS
+from indexer.hierarchical import PACKED_MAX_COLUMN_BITS, hierarchical_plan
 from model.runner import length_bucket
 
 STAGES = ("other", "indexer", "attention")
@@ -202,20 +202,11 @@ def flat_ops(s, T, p0, kv_len, skip):
             _topk("flat top_k", T, kv_len, s.top_k)]
 
 
-def hierarchical_sizes(c, T, kv_len, top_k):
+def hierarchical_sizes(c, T, kv_len, top_k, heads):
     """(tile, n_blocks, n_cand, n_union, own): the static sizes of one hierarchical_topk
-    call, as indexer.hierarchical._plan computes them."""
-    B = c.block_size
-    tile = min(c.query_tile, T)
-    nb = -(-kv_len // B)
-    forced = c.sink_blocks + c.local_blocks + c.bound_blocks
-    n_cand = min(nb, max(c.candidate_blocks(nb), forced))
-    if tile == 1:
-        n_union = n_cand
-    else:
-        tile_tokens = c.tile_candidate_tokens or 2 * n_cand * B
-        n_union = min(nb, max(n_cand, -(-tile_tokens // B)))
-    return tile, nb, n_cand, n_union, tile > 1 and not c.share_tile_candidates
+    call (indexer.hierarchical.hierarchical_plan)."""
+    plan = hierarchical_plan(c, T, kv_len, top_k, heads)
+    return plan.tile, plan.n_blocks, plan.n_cand, plan.n_union, plan.own
 
 
 def hierarchical_ops(s, T, p0, kv_len, skip):
@@ -223,7 +214,7 @@ def hierarchical_ops(s, T, p0, kv_len, skip):
     H200 benchmark's pipeline, s.tile_candidates)."""
     c, H, d, b = s.config, s.heads, s.dim, s.itemsize
     B = c.block_size
-    tile, nb, n_cand, n_union, own = hierarchical_sizes(c, T, kv_len, s.top_k)
+    tile, nb, n_cand, n_union, own = hierarchical_sizes(c, T, kv_len, s.top_k, H)
     if s.tile_candidates:
         n_union, own = n_cand, False
     n_tiles = -(-T // tile)
