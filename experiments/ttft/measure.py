@@ -73,9 +73,11 @@ def baseline_ttft_ms(model, config, tokens, run, *, top_k):
     return statistics.median(times)
 
 
-def measure_mode(model, spec, tokens, run, *, baseline_ms):
+def measure_mode(model, spec, tokens, run, *, baseline_ms, keep_cache=False):
     """Measures `spec` (a ModeSpec) on `tokens` -> ModeRun. run: the RunConfig.
-    baseline_ms(config, top_k) -> the window baseline's TTFT at this length."""
+    baseline_ms(config, top_k) -> the window baseline's TTFT at this length. keep_cache:
+    keep the prefill's cache in the ModeRun (the reference's: the other modes' selections
+    are compared on its inputs)."""
     config = spec.model_config(model.config)
     runner = ModelRunner(with_config(model, config))
     L, P = len(tokens), run.fidelity_positions
@@ -88,7 +90,7 @@ def measure_mode(model, spec, tokens, run, *, baseline_ms):
     tail_logprobs = np.asarray(jax.nn.log_softmax(out[0], axis=-1))
     cache, captured = out[1], (out[2] if capture else None)
     # The comparisons read the cache as the prefill left it (decode appends to it).
-    prefill_cache = jax.tree.map(jnp.copy, cache) if spec.sparse else None
+    prefill_cache = jax.tree.map(jnp.copy, cache) if keep_cache else None
 
     decode_ms = None
     if run.decode_steps:  # greedy steps after the prompt; one untimed step compiles

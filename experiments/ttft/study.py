@@ -10,7 +10,15 @@ from flax import nnx
 from experiments.data import Corpus, eval_sequence
 from experiments.evaluation.metrics import pair_metrics
 from experiments.ttft.measure import baseline_ttft_ms, measure_mode, selection_overlap
-from model import Transformer, get_config, length_bucket, load_default_model
+from model import (
+    Transformer,
+    default_checkpoint_dir,
+    get_config,
+    has_checkpoint,
+    length_bucket,
+    load_default_model,
+)
+from model.checkpoint import read_config
 
 METHOD = {
     "ttft": "prefill start to the first token on the host (last logits ready, argmax), median "
@@ -39,10 +47,11 @@ def load_source(source, capacity):
         overrides.setdefault("max_seq_len", max(length_bucket(capacity), preset.max_seq_len))
         model = Transformer(get_config(source.preset, **overrides), rngs=nnx.Rngs(0))
         return model, f"preset {source.preset}, random weights", True, Corpus().heldout_tokens
-    if "max_seq_len" not in overrides:
-        model, metadata = load_default_model(source.checkpoint)
-        overrides["max_seq_len"] = max(length_bucket(capacity), model.config.max_seq_len)
-    model, metadata = load_default_model(source.checkpoint, **overrides)
+    directory = source.checkpoint or default_checkpoint_dir()
+    if "max_seq_len" not in overrides and has_checkpoint(directory):
+        stored, _ = read_config(directory)  # the stored length, without loading the weights
+        overrides["max_seq_len"] = max(length_bucket(capacity), stored.max_seq_len)
+    model, metadata = load_default_model(directory, **overrides)
     step = (metadata.get("training") or {}).get("total_steps")
     name = source.checkpoint or "checkpoints/small"
     corpus = Corpus(heldout_fraction=float(metadata.get("data", {}).get("heldout_fraction",
@@ -127,7 +136,8 @@ def run_study(run, model, heldout_tokens, *, random_weights, progress=None, log=
                 progress(f"{length} tokens, {spec.name}")
             t0 = time.perf_counter()
             try:
-                runs[spec.name] = measure_mode(model, spec, tokens, run, baseline_ms=baseline_ms)
+                runs[spec.name] = measure_mode(model, spec, tokens, run, baseline_ms=baseline_ms,
+                                              keep_cache=spec.name == run.reference)
             except Exception as e:  # noqa: BLE001 - a run that does not fit is reported
                 if not _out_of_memory(e):
                     raise
