@@ -41,8 +41,13 @@ def parse_args(argv):
                    help="run config YAML (default experiments/configs/run_default.yaml)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config entry, e.g. --set lengths=[4096] (repeatable)")
+    p.add_argument("--model", default=None, metavar="NAME|PATH",
+                   help="a pretrained model (e.g. smollm2-135m) or a .gguf / HF folder: "
+                        "shorthand for --set model.pretrained=NAME")
     add_out_argument(p, "run")
     args = p.parse_args(argv)
+    if args.model is not None:
+        args.set = [f"model.pretrained={args.model}", *args.set]
     try:
         run = load_run_config(args.config, args.set)
     except FileNotFoundError:

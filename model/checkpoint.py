@@ -15,7 +15,7 @@ from model.config import ModelConfig
 # when loading, e.g. running a densely trained model with sparse attention.
 ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                        "d_ff", "index_heads", "index_dim", "index_rope_dim", "rope_theta",
-                       "norm_eps")
+                       "norm_eps", "tie_embeddings")
 
 
 def _manager(directory, max_to_keep=None):

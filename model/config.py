@@ -22,7 +22,10 @@ class ModelConfig(FrozenConfig):
     converted). flat_index_layers: layers whose selection stays flat when
     indexer="hierarchical" (e.g. (0,) for a first layer whose top-k is a few byte values
     scattered over the whole context, which no block selector covers: docs/findings.md).
-    Invalid values raise ValueError naming the field and the allowed range.
+    dense_layers: layers that keep dense attention when attention="sparse" (their indexer
+    still runs, so its keys stay cached and trainable). tie_embeddings: the output
+    projection is the token embedding's transpose (Llama-family checkpoints such as
+    SmolLM2). Invalid values raise ValueError naming the field and the allowed range.
     """
 
     vocab_size: int = 259
@@ -47,6 +50,8 @@ class ModelConfig(FrozenConfig):
     attention: str = "sparse"
     indexer: str = "flat"
     flat_index_layers: tuple[int, ...] = ()
+    dense_layers: tuple[int, ...] = ()
+    tie_embeddings: bool = False
     prefill_chunk: int = 1024
     dtype: str = "float32"
     hierarchical: HierarchicalConfig = HierarchicalConfig()
@@ -82,21 +87,22 @@ class ModelConfig(FrozenConfig):
         if not (0 <= self.index_rope_dim <= self.index_dim and self.index_rope_dim % 2 == 0):
             raise ValueError(f"ModelConfig.index_rope_dim must be even and in [0, index_dim="
                              f"{self.index_dim}], got {self.index_rope_dim}")
-        if self.vocab_size < 259:
-            raise ValueError(f"ModelConfig.vocab_size must be >= 259 (256 bytes + BOS/EOS/PAD), "
-                             f"got {self.vocab_size}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"ModelConfig.tie_embeddings must be a bool, "
+                             f"got {self.tie_embeddings!r}")
         for name, allowed in (("attention", ATTENTION_KINDS), ("indexer", INDEXER_KINDS),
                               ("dtype", DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.{name} must be one of {allowed}, "
                                  f"got {getattr(self, name)!r}")
-        layers = self.flat_index_layers
-        if not isinstance(layers, (tuple, list)) or any(
-                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers
-                for i in layers) or len(set(layers)) != len(layers):
-            raise ValueError(f"ModelConfig.flat_index_layers must be distinct layer indices in "
-                             f"[0, n_layers - 1 = {self.n_layers - 1}], got {layers!r}")
-        object.__setattr__(self, "flat_index_layers", tuple(sorted(layers)))  # hashable
+        for name in ("flat_index_layers", "dense_layers"):
+            layers = getattr(self, name)
+            if not isinstance(layers, (tuple, list)) or any(
+                    isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.n_layers
+                    for i in layers) or len(set(layers)) != len(layers):
+                raise ValueError(f"ModelConfig.{name} must be distinct layer indices in "
+                                 f"[0, n_layers - 1 = {self.n_layers - 1}], got {layers!r}")
+            object.__setattr__(self, name, tuple(sorted(layers)))  # hashable
         budget = self.hierarchical.candidate_tokens
         if self.indexer == "hierarchical" and budget is not None and budget < self.top_k:
             raise ValueError(f"ModelConfig.hierarchical.candidate_tokens must be >= top_k "
@@ -106,6 +112,10 @@ class ModelConfig(FrozenConfig):
     def indexer_rope_scaling(self):
         """The position interpolation factor the indexer's RoPE uses."""
         return self.rope_scaling if self.index_rope_scaling is None else self.index_rope_scaling
+
+    def layer_is_sparse(self, layer):
+        """Whether layer `layer` attends to the indexer's selection (else dense)."""
+        return self.attention == "sparse" and layer not in self.dense_layers
 
     def layer_indexer(self, layer):
         """The selection layer `layer` runs: "flat" for flat_index_layers, else `indexer`."""

@@ -77,6 +77,7 @@ class ModelRunner:
 
         self._step = jax.jit(step, static_argnames=("kv_len", "all_logits", "capture"),
                              donate_argnames=("cache",))
+        self._batch_step = None  # decode_batch's jitted step, built on first use
 
     def compile_prefill(self, n, *, capacity=None, chunk=None, start=0, logits_from=None,
                         capture=(), capture_from=None):
@@ -198,3 +199,41 @@ class ModelRunner:
             if token in stop_tokens or i == max_new_tokens - 1:
                 return
             logits, cache = self.decode(token, cache, start + n + i)
+
+    # ------------------------------------------------------------ batched decode (serving)
+
+    def new_batch_cache(self, batch, capacity):
+        """A cache for `batch` sequences: every array gains a leading batch axis [batch, ...]
+        (serving's decode slots; one sequence's cache is `jax.tree.map(lambda a: a[i], c)`)."""
+        one = self.new_cache(capacity)
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (batch, *a.shape)).copy(), one)
+
+    def decode_batch(self, tokens, caches, positions):
+        """One decode step for a batch of sequences in one jitted call (vmap over the batch).
+
+        tokens: i32[S], one token per sequence; caches: a batched cache (new_batch_cache,
+        donated); positions: i32[S], where each token goes (sequences at different lengths).
+        -> (logits f32[S, V] for each sequence's next token, caches). Keys are read up to
+        length_bucket(max(positions) + 1): compute follows the longest sequence of the
+        batch, and the causal mask hides each shorter sequence's stale positions.
+        """
+        positions = np.asarray(positions, dtype=np.int32)
+        cap = caches[0].k.shape[1]
+        if positions.max(initial=0) >= cap or positions.min(initial=0) < 0:
+            raise ValueError(f"cache holds {cap} positions, decode at positions "
+                             f"{positions.tolist()}")
+        kv_len = min(cap, length_bucket(int(positions.max(initial=0)) + 1))
+        if self._batch_step is None:
+            def one(state, token, cache, position, kv_len):
+                logits, cache, _ = self._step(state, token[None], cache, position, kv_len, 1,
+                                              False, ())
+                return logits, cache
+
+            def batch_step(state, tokens, caches, positions, kv_len):
+                return jax.vmap(one, in_axes=(None, 0, 0, 0, None))(state, tokens, caches,
+                                                                    positions, kv_len)
+
+            self._batch_step = jax.jit(batch_step, static_argnames=("kv_len",),
+                                       donate_argnames=("caches",))
+        return self._batch_step(self.state, jnp.asarray(tokens, jnp.int32), caches,
+                                jnp.asarray(positions), kv_len=kv_len)

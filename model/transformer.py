@@ -26,7 +26,8 @@ from model.layers import RMSNorm, SwiGLU
 #                       and L1-normalised per query (the indexer warm-up's KL target;
 #                       attention="dense" only)
 #   "indices":          i32[T, top_k], the tokens the sparse pass attended to (-1 = none;
-#                       attention="sparse" only)
+#                       attention="sparse" only; all -1 in config.dense_layers, which
+#                       attend to every visible token)
 CAPTURE_KINDS = ("indexer", "attention_target", "indices")
 
 
@@ -127,7 +128,7 @@ class DecoderBlock(nnx.Module):
         if "indexer" in capture:
             captured["indexer"] = IndexerInputs(q_index, w_index, k_index)
         keys, values = cache.k[:kv_len], cache.v[:kv_len]
-        if self.config.attention == "sparse":
+        if self.config.layer_is_sparse(self.layer):
             indices = select_tokens(self.config, q_index, w_index, cache.k_index[:kv_len],
                                     q_offset=start, summaries=summaries, layer=self.layer)
             out = pallas_kernels.sparse_attention(q, keys, values, indices)
@@ -139,6 +140,8 @@ class DecoderBlock(nnx.Module):
             captured["attention_target"] = jax.lax.stop_gradient(p)
         else:
             out = dense_causal_attention(q, keys, values, q_offset=start)
+            if "indices" in capture:
+                captured["indices"] = jnp.full((T, self.config.top_k), -1, jnp.int32)
         x = x + self.attn.output(out)
         x = x + self.mlp(self.mlp_norm(x))
         return x, cache, captured
@@ -160,8 +163,10 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([DecoderBlock(config, layer=i, rngs=rngs)
                                 for i in range(config.n_layers)])
         self.final_norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False, dtype=dtype,
-                                  kernel_init=nnx.initializers.lecun_normal(), rngs=rngs)
+        if not config.tie_embeddings:
+            self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False,
+                                      dtype=dtype, kernel_init=nnx.initializers.lecun_normal(),
+                                      rngs=rngs)
 
     def __call__(self, tokens, cache, start, kv_len, n_valid=None, *, capture=(), remat=False):
         """tokens: i32[T] at positions start..start+T-1 -> (logits f32[T, V], new cache), or
@@ -182,7 +187,9 @@ class Transformer(nnx.Module):
             new_cache.append(layer_cache)
             for kind in kinds:
                 captured[kind].append(layer_captured[kind])
-        logits = self.lm_head(self.final_norm(x)).astype(jnp.float32)
+        h = self.final_norm(x)
+        logits = (self.embed.attend(h) if self.config.tie_embeddings
+                  else self.lm_head(h)).astype(jnp.float32)
         if kinds:
             return logits, new_cache, captured
         return logits, new_cache

@@ -214,17 +214,26 @@ def real_model_rows(args, config):
         return None
     from experiments.data import Corpus
     from model.checkpoint import CheckpointMissingError, load_default_model
-    try:
-        model, metadata = load_default_model(args.checkpoint)
-    except CheckpointMissingError as e:
-        return {"skipped": str(e), "markdown": f"Real-model inputs skipped: {e}"}
+    if getattr(args, "model", None):  # a pretrained model and its held-out real text
+        from experiments.text_corpus import heldout_text_tokens
+        from model.pretrained import load_pretrained
+
+        pre = load_pretrained(args.model, max_seq_len=max(lengths),
+                              rope_scaling=max(1.0, max(lengths) / 8192))
+        model, heldout, name = pre.model, heldout_text_tokens(pre.tokenizer), args.model
+    else:
+        try:
+            model, metadata = load_default_model(args.checkpoint)
+        except CheckpointMissingError as e:
+            return {"skipped": str(e), "markdown": f"Real-model inputs skipped: {e}"}
+        heldout = Corpus(heldout_fraction=metadata.get("data", {}).get(
+            "heldout_fraction", 0.05)).heldout_tokens
+        name = str(args.checkpoint or "checkpoints/small")
     if args.smoke:  # budgets below the 1K smoke context
         config = config.replace(block_size=16, candidate_tokens=model.config.top_k)
-    corpus = Corpus(heldout_fraction=metadata.get("data", {}).get("heldout_fraction", 0.05))
-    rows = bench_real(model, corpus.heldout_tokens, lengths, args, config)
-    return {"checkpoint": str(args.checkpoint or "checkpoints/small"), "config": config.to_dict(),
-            "rows": rows, "markdown": markdown_real(rows, config, args.checkpoint or
-                                                    "checkpoints/small")}
+    rows = bench_real(model, heldout, lengths, args, config)
+    return {"checkpoint": name, "config": config.to_dict(), "rows": rows,
+            "markdown": markdown_real(rows, config, name)}
 
 
 def main(argv=None):
@@ -247,6 +256,9 @@ def main(argv=None):
                    help="real-input rows also show the model with these layers kept flat "
                         "(ModelConfig.flat_index_layers; 'none' = no such column)")
     p.add_argument("--checkpoint", default=None, help="model directory (default: shipped)")
+    p.add_argument("--model", default=None, metavar="NAME|PATH",
+                   help="real inputs of a pretrained model instead (e.g. smollm2-135m; RoPE "
+                        "interpolated by max(1, L / 8192) at the longest length)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny sizes (tests, CI)")
     add_out_argument(p, "bench_indexer")

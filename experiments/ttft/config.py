@@ -34,12 +34,15 @@ def _check_overrides(name, value, allowed, what):
 
 @dataclasses.dataclass(frozen=True)
 class ModelSource(ConfigSection):
-    """checkpoint: a checkpoint directory (None: the shipped checkpoints/small). preset:
-    a model.config preset with random weights (needs random_weights: true: timing only, no
-    fidelity figures). overrides: ModelConfig fields (run-time switches for a checkpoint;
-    any field for a preset)."""
+    """checkpoint: a checkpoint directory (None: the shipped checkpoints/small). pretrained:
+    a pretrained model by name (model.pretrained.PRETRAINED, e.g. smollm2-135m, with its
+    shipped indexer) or a .gguf / Hugging Face folder path; its held-out text is Python's
+    documentation (experiments.text_corpus). preset: a model.config preset with random
+    weights (needs random_weights: true: timing only, no fidelity figures). overrides:
+    ModelConfig fields (run-time switches for a checkpoint; any field for a preset)."""
 
     checkpoint: str | None = None
+    pretrained: str | None = None
     preset: str | None = None
     random_weights: bool = False
     overrides: dict = dataclasses.field(default_factory=dict)
@@ -51,8 +54,9 @@ class ModelSource(ConfigSection):
         if self.random_weights != (self.preset is not None):
             raise ConfigError("", "set model.preset together with model.random_weights: true "
                                   "(random weights, timing only), or neither (a checkpoint)")
-        if self.preset is not None and self.checkpoint is not None:
-            raise ConfigError("", "set either model.checkpoint or model.preset, not both")
+        if sum(x is not None for x in (self.preset, self.checkpoint, self.pretrained)) > 1:
+            raise ConfigError("", "set at most one of model.checkpoint, model.pretrained and "
+                                  "model.preset")
         _check_overrides("overrides", self.overrides, MODEL_FIELDS, "ModelConfig")
 
 

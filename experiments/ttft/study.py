@@ -47,6 +47,14 @@ def load_source(source, capacity):
         overrides.setdefault("max_seq_len", max(length_bucket(capacity), preset.max_seq_len))
         model = Transformer(get_config(source.preset, **overrides), rngs=nnx.Rngs(0))
         return model, f"preset {source.preset}, random weights", True, Corpus().heldout_tokens
+    if source.pretrained is not None:
+        from experiments.text_corpus import heldout_text_tokens
+        from model.pretrained import load_pretrained
+
+        overrides.setdefault("max_seq_len", length_bucket(capacity))
+        pre = load_pretrained(source.pretrained, **overrides)
+        return (pre.model, f"pretrained {source.pretrained} (indexer: {pre.info['indexer']})",
+                False, heldout_text_tokens(pre.tokenizer))
     directory = source.checkpoint or default_checkpoint_dir()
     if "max_seq_len" not in overrides and has_checkpoint(directory):
         stored, _ = read_config(directory)  # the stored length, without loading the weights

@@ -61,6 +61,7 @@ def test_capture_kinds_are_checked():
         _model(0, attention="dense").forward(jnp.asarray(_tokens(0, 8)), capture=("indices",))
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_chunked_prefill_captures_equal_one_pass():
     model = _model(4, indexer="hierarchical")
     toks = _tokens(5, 150)
@@ -130,3 +131,19 @@ def test_window_selection_reads_the_last_top_k_tokens():
     wide = _model(13, indexer="window", top_k=64).forward(jnp.asarray(toks))
     dense = _model(13, attention="dense").forward(jnp.asarray(toks))
     np.testing.assert_allclose(wide, dense, **TOL)
+
+
+def test_dense_layers_attend_densely_inside_a_sparse_model():
+    dense = _model(3, attention="dense")
+    toks = jnp.asarray(_tokens(4, 90))  # > top_k: sparse layers do drop tokens here
+    all_dense = ModelRunner(dense.__class__(dense.config.replace(
+        attention="sparse", dense_layers=(0, 1)), rngs=nnx.Rngs(3))).prefill(toks, logits_from=0)
+    np.testing.assert_allclose(all_dense[0], dense.forward(toks), **TOL)
+    mixed = _model(3, attention="sparse", dense_layers=(0,))
+    _, captured = mixed.forward(toks, capture=("indices",))
+    assert np.all(np.asarray(captured["indices"][0]) == -1)  # layer 0 read everything
+    assert np.all(np.asarray(captured["indices"][1])[-1] >= 0)  # layer 1 selected top_k
+    sparse = _model(3, attention="sparse").forward(toks)
+    assert not np.allclose(mixed.forward(toks), sparse, **TOL)
+    with pytest.raises(ValueError, match="dense_layers must be distinct layer indices"):
+        get_config("tiny", dense_layers=(2,))

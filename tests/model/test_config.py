@@ -18,7 +18,7 @@ def test_presets_are_valid():
     ("index_rope_dim", 100, "index_rope_dim must be even and in"),
     ("attention", "local", r"attention must be one of \('dense', 'sparse'\)"),
     ("indexer", "magic", "indexer must be one of"),
-    ("vocab_size", 100, "vocab_size must be >= 259"),
+    ("vocab_size", 0, "vocab_size must be a positive int"),
     ("rope_scaling", -1.0, "rope_scaling must be a positive number"),
     ("index_rope_scaling", 0.0, "index_rope_scaling must be None or a positive number"),
     ("top_k", 2.5, "top_k must be a positive int"),

@@ -56,6 +56,7 @@ def test_chunked_prefill_equals_one_shot():
     np.testing.assert_allclose(one_shot, chunked, **TOL)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_a_budget_covering_everything_equals_the_flat_model():
     toks = jnp.asarray(_tokens(3, 96))
     flat = _model(2).forward(toks)

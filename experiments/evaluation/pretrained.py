@@ -1,0 +1,261 @@
+"""Fidelity of a pretrained model with its DSA indexer, on held-out real text.
+
+    python -m experiments.evaluation.pretrained --model smollm2-135m --lengths 2048,4096,8192 \
+        [--top-k 1024] [--dense-layers 0] [--hierarchical candidate_tokens=4096] \
+        [--probe-sequences 4] [--out DIR]
+
+For each length L, on the last L tokens of Python's documentation text (held out from the
+warm-up), three passes of model.ModelRunner's prefill: dense, sparse with the flat indexer,
+sparse with the hierarchical indexer (all layers sparse except --dense-layers):
+
+- perplexity of each (every position; and positions >= top_k, where selection can differ);
+- top-1 agreement and mean KL of next-token distributions: flat | dense, hier | dense,
+  hier | flat;
+- on the dense pass's own indexer inputs for the last --queries positions (captured from
+  that pass): recall and IoU of hierarchical vs flat selections, and attention-mass recall
+  (the share of the dense attention, averaged over heads, on the selected tokens) of each,
+  per layer and averaged over the sparse layers;
+- passkey retrieval (experiments.evaluation.passkey): accuracy per method with a Wilson 95%
+  interval over --probe-sequences sequences x --per-sequence probes.
+
+--rope-scaling S (lengths past the model's trained context): linear position interpolation
+of the whole model. --selection-only: only the selection statistics (for 16K-32K contexts,
+where the three perplexity passes would cost more than they say). JSON to OUT/eval.json, a
+table to OUT/eval.md (default runs/eval_pretrained).
+"""
+
+import argparse
+import pathlib
+import platform
+import time
+
+import jax
+import numpy as np
+
+from experiments.common import add_out_argument, display_path, parse_layers, write_json
+from experiments.evaluation.metrics import pair_metrics, selection_metrics, selections_on_captured
+from experiments.evaluation.passkey import build_passkey_sequence, score_passkeys, wilson_interval
+from experiments.text_corpus import heldout_text_tokens
+from model import ModelRunner, with_config
+
+METHODS = ("dense", "sparse_flat", "sparse_hier")
+
+
+def method_config(config, method):
+    if method == "dense":
+        return config.replace(attention="dense")
+    return config.replace(attention="sparse",
+                          indexer="flat" if method == "sparse_flat" else "hierarchical")
+
+
+def nll_of(logits, tokens):
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    return -np.take_along_axis(np.asarray(lp[:-1]), tokens[1:, None], axis=1)[:, 0], lp
+
+
+def attention_mass(selection, target):
+    """selection: i32[Q, K] (-1 = none), target: f32[Q, kv] -> mean over queries of the
+    target mass on the selected tokens."""
+    held = np.take_along_axis(target, np.maximum(selection, 0), axis=1) * (selection >= 0)
+    return float(held.sum(axis=1).mean())
+
+
+def selection_stats(model, tokens, queries, flat_cfg, hier_cfg):
+    """The dense pass's own indexer inputs and attention for the last `queries` positions ->
+    recall / IoU of hier vs flat and the attention-mass recall of both, per layer."""
+    L = len(tokens)
+    dense = with_config(model, model.config.replace(attention="dense"))
+    _, cache, captured = ModelRunner(dense).prefill(
+        tokens, capture=("indexer", "attention_target"), capture_from=L - queries)
+    flat = selections_on_captured(flat_cfg, captured, cache, L - queries, L)
+    hier = selections_on_captured(hier_cfg, captured, cache, L - queries, L)
+    target = captured["attention_target"]
+    stats = selection_metrics(flat, hier)
+    for i, layer in enumerate(stats["layers"]):
+        layer["mass_flat"] = round(attention_mass(flat[i], target[i]), 6)
+        layer["mass_hier"] = round(attention_mass(hier[i], target[i]), 6)
+        layer["sparse"] = flat_cfg.layer_is_sparse(i)
+    sparse = [x for x in stats["layers"] if x["sparse"]] or stats["layers"]
+    for key in ("mass_flat", "mass_hier", "recall", "iou"):
+        stats[f"{key}_sparse_layers"] = round(float(np.mean([x[key] for x in sparse])), 6)
+    stats["mass_ratio"] = round(stats["mass_hier_sparse_layers"] /
+                                max(stats["mass_flat_sparse_layers"], 1e-12), 6)
+    return stats
+
+
+def evaluate_length(model, tokenizer, text_tokens, L, *, queries, probe_sequences,
+                    per_sequence, seed, log, selection_only=False):
+    tokens = np.asarray(text_tokens[-L:], np.int32)
+    cfg = model.config
+    out = dict(length=L, methods={})
+    if selection_only:
+        out["selection"] = selection_stats(model, tokens, min(queries, L),
+                                           method_config(cfg, "sparse_flat"),
+                                           method_config(cfg, "sparse_hier"))
+        s = out["selection"]
+        log(f"L={L} selection: recall {s['recall_sparse_layers']:.4f} mass flat "
+            f"{s['mass_flat_sparse_layers']:.4f} hier {s['mass_hier_sparse_layers']:.4f}")
+        return out
+    lps = {}
+    for method in METHODS:
+        m = with_config(model, method_config(cfg, method))
+        t = time.monotonic()
+        logits, _ = ModelRunner(m).prefill(tokens, logits_from=0)
+        nll, lps[method] = nll_of(logits, tokens)
+        tail = nll[cfg.top_k:] if L > cfg.top_k + 1 else nll
+        out["methods"][method] = dict(perplexity=round(float(np.exp(nll.mean())), 5),
+                                      perplexity_after_top_k=round(float(np.exp(tail.mean())), 5),
+                                      wall_s=round(time.monotonic() - t, 1))
+        log(f"L={L} {method}: ppl {out['methods'][method]['perplexity']:.4f} "
+            f"({out['methods'][method]['wall_s']} s)")
+    d = out["methods"]["dense"]["perplexity"]
+    for method in METHODS[1:]:
+        out["methods"][method]["ppl_vs_dense"] = round(out["methods"][method]["perplexity"] / d
+                                                       - 1, 6)
+    pairs = (("sparse_flat", "dense"), ("sparse_hier", "dense"), ("sparse_hier", "sparse_flat"))
+    # KL(P_reference || P_method): the reference is the second of each pair
+    out["pairs"] = {f"{a}|{b}": pair_metrics(np.asarray(lps[b]), np.asarray(lps[a]))
+                    for a, b in pairs}
+    del lps
+    log(f"L={L} pairs: " + ", ".join(f"{k} top1 {v['agreement']:.4f}"
+                                     for k, v in out["pairs"].items()))
+    t = time.monotonic()
+    out["selection"] = selection_stats(model, tokens, min(queries, L),
+                                       method_config(cfg, "sparse_flat"),
+                                       method_config(cfg, "sparse_hier"))
+    s = out["selection"]
+    log(f"L={L} selection: recall {s['recall_sparse_layers']:.4f} iou {s['iou_sparse_layers']:.4f}"
+        f" mass flat {s['mass_flat_sparse_layers']:.4f} hier {s['mass_hier_sparse_layers']:.4f}"
+        f" ({time.monotonic() - t:.0f} s)")
+    if probe_sequences:
+        out["passkey"] = passkey(model, tokenizer, text_tokens, L, probe_sequences,
+                                 per_sequence, seed, log)
+    return out
+
+
+def passkey(model, tokenizer, text_tokens, L, n_seq, per_sequence, seed, log):
+    filler = np.asarray(text_tokens[:-L] if len(text_tokens) > 2 * L else text_tokens)
+    seqs = [build_passkey_sequence(tokenizer, filler, L, per_sequence=per_sequence,
+                                   seed=seed * 1000 + L + i) for i in range(n_seq)]
+    result = {}
+    for method in METHODS:
+        runner = ModelRunner(with_config(model, method_config(model.config, method)))
+        correct = []
+        for seq in seqs:
+            logits, _ = runner.prefill(seq.tokens, logits_from=seq.query_start)
+            correct += score_passkeys(logits, seq)
+        k, n = int(sum(correct)), len(correct)
+        lo, hi = wilson_interval(k, n)
+        result[method] = dict(correct=k, probes=n, accuracy=round(k / n, 4),
+                              ci95=[round(lo, 4), round(hi, 4)])
+        log(f"L={L} passkey {method}: {k}/{n}")
+    result["depths"] = [round(d, 3) for s in seqs for d in s.depths]
+    return result
+
+
+def to_markdown(report):
+    lines = [f"# {report['model']}: dense vs DSA on held-out text", "",
+             f"top_k {report['config']['top_k']}, dense layers "
+             f"{report['config']['dense_layers'] or 'none'}, hierarchical "
+             f"{report['hierarchical_budget']}, rope_scaling {report['config']['rope_scaling']}",
+             "", "| L | ppl dense | flat | hier | top-1 flat/dense | hier/dense | hier/flat | "
+             "recall | IoU | mass flat | mass hier | passkey dense | flat | hier |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    selection_only = [r for r in report["lengths"] if not r["methods"]]
+    for r in report["lengths"]:
+        if not r["methods"]:
+            continue
+        m, p, s = r["methods"], r["pairs"], r["selection"]
+        pk = r.get("passkey", {})
+        acc = lambda k: (f"{pk[k]['correct']}/{pk[k]['probes']}" if k in pk else "-")  # noqa
+        lines.append(
+            f"| {r['length']} | {m['dense']['perplexity']:.3f} | "
+            f"{m['sparse_flat']['perplexity']:.3f} ({m['sparse_flat']['ppl_vs_dense']:+.2%}) | "
+            f"{m['sparse_hier']['perplexity']:.3f} ({m['sparse_hier']['ppl_vs_dense']:+.2%}) | "
+            f"{p['sparse_flat|dense']['agreement']:.4f} | {p['sparse_hier|dense']['agreement']:.4f}"
+            f" | {p['sparse_hier|sparse_flat']['agreement']:.4f} | {s['recall_sparse_layers']:.4f}"
+            f" | {s['iou_sparse_layers']:.4f} | {s['mass_flat_sparse_layers']:.4f} | "
+            f"{s['mass_hier_sparse_layers']:.4f} | {acc('dense')} | {acc('sparse_flat')} | "
+            f"{acc('sparse_hier')} |")
+    if selection_only:
+        lines += ["", "Selection only (the dense pass's own indexer inputs, last queries):", "",
+                  "| L | recall | IoU | mass flat | mass hier | mass hier / flat |",
+                  "|---|---|---|---|---|---|"]
+        for r in selection_only:
+            s = r["selection"]
+            lines.append(f"| {r['length']} | {s['recall_sparse_layers']:.4f} | "
+                         f"{s['iou_sparse_layers']:.4f} | {s['mass_flat_sparse_layers']:.4f} | "
+                         f"{s['mass_hier_sparse_layers']:.4f} | {s['mass_ratio']:.4f} |")
+    lines += ["", f"Command: `{report['command']}`", ""]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    from model.pretrained import load_pretrained
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="a name or a .gguf / HF folder path")
+    p.add_argument("--indexer-dir", default="default",
+                   help="trained indexer weights (default: the model's shipped ones)")
+    p.add_argument("--lengths", default="2048,4096,8192")
+    p.add_argument("--top-k", type=int, default=None, help="default: the retrofit's own")
+    p.add_argument("--dense-layers", default=None, metavar="I,J", help="'' for none")
+    p.add_argument("--hierarchical", default=None, metavar="FIELD=VALUE,...",
+                   help="HierarchicalConfig overrides, e.g. candidate_tokens=4096")
+    p.add_argument("--rope-scaling", type=float, default=None)
+    p.add_argument("--queries", type=int, default=1024,
+                   help="last positions whose selections are compared")
+    p.add_argument("--probe-sequences", type=int, default=4)
+    p.add_argument("--per-sequence", type=int, default=8)
+    p.add_argument("--selection-only", action="store_true",
+                   help="only the selection statistics (long contexts: no perplexity passes)")
+    p.add_argument("--seed", type=int, default=0)
+    add_out_argument(p, "eval_pretrained")
+    args = p.parse_args(argv)
+    t0 = time.monotonic()
+    overrides = {}
+    if args.top_k is not None:
+        overrides["top_k"] = args.top_k
+    if args.dense_layers is not None:
+        overrides["dense_layers"] = parse_layers(args.dense_layers)
+    if args.rope_scaling is not None:
+        overrides["rope_scaling"] = args.rope_scaling
+    indexer_dir = None if args.indexer_dir == "none" else args.indexer_dir
+    pre = load_pretrained(args.model, indexer_dir=indexer_dir, **overrides)
+    model = pre.model
+    if args.hierarchical:
+        fields = dict(kv.split("=", 1) for kv in args.hierarchical.split(","))
+        hier = model.config.hierarchical.to_dict()
+        for k, v in fields.items():
+            hier[k] = None if v == "None" else type(hier[k] if hier.get(k) is not None else 0)(v)
+        model = with_config(model, model.config.replace(hierarchical=hier))
+    lengths = [int(x) for x in args.lengths.split(",")]
+    top = max(lengths)
+    if top > model.config.max_seq_len:
+        model = with_config(model, model.config.replace(max_seq_len=top))
+    text = heldout_text_tokens(pre.tokenizer)
+    log = lambda msg: print(f"[{time.monotonic() - t0:6.0f}s] {msg}", flush=True)  # noqa
+    out = pathlib.Path(args.out)
+    results = []
+    for L in lengths:
+        results.append(evaluate_length(model, pre.tokenizer, text, L, queries=args.queries,
+                                       probe_sequences=args.probe_sequences,
+                                       per_sequence=args.per_sequence, seed=args.seed, log=log,
+                                       selection_only=args.selection_only))
+        report = dict(model=args.model, info=pre.info, config=model.config.to_dict(),
+                      hierarchical_budget=model.config.hierarchical.candidate_tokens
+                      or f"keep ratio {model.config.hierarchical.coarse_keep_ratio}",
+                      text="last L tokens of pydoc_data.topics (held out from the warm-up)",
+                      hardware=f"{platform.machine()}, {jax.devices()[0].device_kind}",
+                      command="python -m experiments.evaluation.pretrained " + " ".join(
+                          argv if argv is not None else __import__("sys").argv[1:]),
+                      lengths=results, wall_s=round(time.monotonic() - t0, 1))
+        report["info"]["path"] = pathlib.Path(report["info"]["path"]).name
+        write_json(out / "eval.json", report)
+        (out / "eval.md").write_text(to_markdown(report))
+    print(to_markdown(report))
+    print(f"wrote {display_path(out)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""DSA retrofit of a pretrained model: the indexer warm-up of DeepSeek-V3.2 on a frozen base.
+
+    python -m experiments.training.warmup --model smollm2-135m --out checkpoints/smollm2-135m \
+        --steps 300 --seq-len 2048
+
+Fresh lightning indexers are put into every layer of the pretrained model (dims:
+model.pretrained.llama.RETROFIT_INDEXER); the base stays frozen and only the indexers learn,
+by KL(head-summed dense attention || indexer softmax) per layer
+(experiments.training.steps.indexer_kl_loss: one forward pass of the model captures both).
+Data: experiments.text_corpus (Python sources and English docs; the evaluation text held out).
+
+Writes OUT/indexer.safetensors + OUT/dsa.json (model.pretrained.indexer_weights: the
+indexer, the run-time config it is meant for, the base file's sha256, the training record)
+and OUT/warmup_log.json + OUT/warmup_curve.png (train KL per step, held-out KL). Resumable:
+OUT.work/ keeps the weights, optimizer state and record every --save-every steps; rerunning
+the same command continues (batches are a pure function of the step).
+"""
+
+import argparse
+import json
+import math
+import pathlib
+import platform
+import shlex
+import sys
+import time
+
+import jax
+import numpy as np
+import yaml
+from tqdm import tqdm
+
+from experiments.common import enable_compile_cache
+from experiments.data import sample_batch
+from experiments.text_corpus import (
+    heldout_text_tokens,
+    list_documents,
+    split_documents,
+    token_stream,
+)
+from experiments.training import steps as ts
+from model.pretrained import (
+    cache_dir,
+    file_sha256,
+    load_indexer_weights,
+    load_pretrained,
+    save_indexer_weights,
+)
+from model.pretrained.registry import PRETRAINED
+
+TRAIN_STREAM, HELDOUT_OFFSET = 11, 40000  # held-out window: tokens 40000.. of the eval text
+
+
+def _flat_opt(opt_state):
+    return {str(i): np.asarray(x) for i, x in enumerate(jax.tree.leaves(opt_state))}
+
+
+def _unflat_opt(template, arrays):
+    leaves, treedef = jax.tree.flatten(template)
+    return jax.tree.unflatten(treedef, [np.asarray(arrays[str(i)]).astype(np.asarray(x).dtype)
+                                        for i, x in enumerate(leaves)])
+
+
+def plot_curve(record, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    steps, kl = zip(*record["train"]) if record["train"] else ((), ())
+    ax.plot(steps, kl, lw=0.8, alpha=0.6, label="train KL (one sequence)")
+    if len(kl) >= 10:
+        smooth = np.convolve(kl, np.ones(10) / 10, mode="valid")
+        ax.plot(steps[9:], smooth, lw=1.5, label="train KL (10-step mean)")
+    if record["heldout"]:
+        hs, hk = zip(*record["heldout"])
+        ax.plot(hs, hk, "o-", label="held-out KL (pydoc text)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("KL (nats), mean over layers")
+    ax.set_yscale("log")
+    ax.set_title(record["title"], fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m",
+                   help=f"a name ({', '.join(PRETRAINED)}) or a .gguf / HF folder path")
+    p.add_argument("--out", required=True, help="directory of the shipped indexer weights")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-steps", type=int, default=20)
+    p.add_argument("--save-every", type=int, default=20)
+    p.add_argument("--heldout-every", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="stop (resumably) after this much wall time")
+    p.add_argument("--top-k", type=int, default=1024,
+                   help="top_k recorded as the retrofit's run-time default")
+    p.add_argument("--dense-layers", default="",
+                   help="layers recorded as kept dense, e.g. 0,1 (run-time default)")
+    p.add_argument("--hierarchical", default="", metavar="FIELD=VALUE,...",
+                   help="HierarchicalConfig fields recorded as the run-time default, e.g. "
+                        "candidate_tokens=4096 (rerunning a finished command with other "
+                        "run-time defaults rewrites OUT/dsa.json without training)")
+    args = p.parse_args(argv)
+    enable_compile_cache()
+    t0 = time.monotonic()
+    out = pathlib.Path(args.out)
+    work = out.with_name(out.name + ".work")
+    dense_layers = tuple(int(x) for x in args.dense_layers.split(",") if x.strip())
+
+    pre = load_pretrained(args.model, indexer_dir=None, seed=args.seed, attention="dense")
+    model, tok = pre.model, pre.tokenizer
+    if (work / "record.json").is_file():
+        load_indexer_weights(work, model)
+        record = json.loads((work / "record.json").read_text())
+        print(f"resuming from {work} at step {record['step']}")
+    else:
+        record = dict(step=0, train=[], heldout=[], wall_s=0.0, tokens=0)
+    record["title"] = (f"{args.model}: indexer warm-up, {args.seq_len} tokens/step, "
+                       f"{platform.machine()} {jax.devices()[0].platform}")
+
+    names = list_documents()
+    train_names, _ = split_documents(names)
+    tokens = token_stream(tok, train_names, cache=cache_dir() / "corpus")
+    heldout = heldout_text_tokens(tok)[HELDOUT_OFFSET:HELDOUT_OFFSET + args.seq_len][None]
+    print(f"train tokens {tokens.shape[0]:,} from {len(train_names)} documents; held-out "
+          f"window {heldout.shape[1]} tokens of the pydoc text")
+
+    tx = ts.make_optimizer(weight_decay=0.0, clip=1.0)
+    graphdef, main_p, idx_p, rest = ts.split_model(model)
+    trainable, frozen = ts.trainable_of("indexer_warmup", main_p, idx_p)
+    opt_state = tx.init(trainable)
+    if (work / "opt.npz").is_file():
+        opt_state = _unflat_opt(opt_state, np.load(work / "opt.npz"))
+    step_fn = ts.make_train_step(graphdef, "indexer_warmup", tx)
+    eval_fn = ts.make_eval_loss(graphdef, "indexer_warmup")
+    n_params = sum(x.size for x in jax.tree.leaves(trainable))
+    print(f"trainable indexer params {n_params:,}; base frozen")
+
+    def save(final=False):
+        m = ts.merge_stage(graphdef, "indexer_warmup", trainable, frozen, rest)
+        work.mkdir(parents=True, exist_ok=True)
+        save_indexer_weights(work, m, base={})
+        np.savez(work / "opt.npz", **_flat_opt(opt_state))
+        (work / "record.json").write_text(json.dumps(record))
+        if final:
+            return m
+
+    def heldout_kl():
+        return float(eval_fn(trainable, frozen, rest, heldout))
+
+    if not record["heldout"]:
+        record["heldout"].append([0, heldout_kl()])
+        print(f"held-out KL at step 0: {record['heldout'][-1][1]:.4f}")
+    start = time.monotonic()
+    bar = tqdm(range(record["step"], args.steps), initial=record["step"], total=args.steps,
+               desc="indexer warm-up", unit="step")
+    stopped = "steps"
+    for step in bar:
+        batch = sample_batch(tokens, 1, args.seq_len - 1, seed=args.seed, stream=TRAIN_STREAM,
+                             step=step)
+        lr = float(ts.lr_schedule(step, args.steps, peak=args.lr, warmup=args.warmup_steps,
+                                  final_frac=0.1))
+        trainable, opt_state, metrics = step_fn(trainable, opt_state, frozen, rest, batch, lr)
+        kl = float(metrics["loss"])
+        if not math.isfinite(kl):
+            raise FloatingPointError(f"KL is {kl} at step {step + 1}")
+        record["step"] = step + 1
+        record["tokens"] += int(batch.size)
+        record["train"].append([step + 1, round(kl, 5)])
+        bar.set_postfix(kl=f"{kl:.4f}", lr=f"{lr:.1e}")
+        if (step + 1) % args.heldout_every == 0 or step + 1 == args.steps:
+            record["heldout"].append([step + 1, heldout_kl()])
+            tqdm.write(f"step {step + 1}: held-out KL {record['heldout'][-1][1]:.4f}")
+        if (step + 1) % args.save_every == 0:
+            record["wall_s"] += time.monotonic() - start
+            start = time.monotonic()
+            save()
+        if args.time_budget_s and time.monotonic() - t0 > args.time_budget_s:
+            stopped = "time budget"
+            break
+    record["wall_s"] += time.monotonic() - start
+    model = save(final=True)
+    if record["step"] < args.steps:
+        print(f"stopped by {stopped} at step {record['step']}/{args.steps}; rerun the same "
+              f"command to continue from {work}")
+        return
+    hier = dict(kv.split("=", 1) for kv in args.hierarchical.split(",") if kv.strip())
+    hier = model.config.hierarchical.replace(**{k: yaml.safe_load(v) for k, v in hier.items()})
+    final = model.config.replace(attention="sparse", top_k=args.top_k, dense_layers=dense_layers,
+                                 hierarchical=hier)
+    base = dict(name=args.model if args.model in PRETRAINED else None,
+                file=pathlib.Path(pre.info["path"]).name, sha256=file_sha256(pre.info["path"]))
+    if args.model in PRETRAINED:
+        src = PRETRAINED[args.model]
+        base.update(package=f"{src.package}=={src.version}", member=src.member)
+    train_kl = [k for _, k in record["train"]]
+    summary = dict(
+        command="python -m experiments.training.warmup " + shlex.join(sys.argv[1:] if argv is None
+                                                                      else argv),
+        steps=record["step"], seq_len=args.seq_len, tokens=record["tokens"],
+        wall_s=round(record["wall_s"], 1), hardware=f"{platform.machine()}, "
+        f"{jax.devices()[0].device_kind}", trainable_params=n_params, lr=args.lr,
+        train_kl_first10=round(float(np.mean(train_kl[:10])), 4),
+        train_kl_last10=round(float(np.mean(train_kl[-10:])), 4),
+        heldout_kl=record["heldout"])
+    save_indexer_weights(out, model, base=base, metadata=dict(warmup=summary), config=final)
+    (out / "warmup_log.json").write_text(json.dumps(dict(summary, train=record["train"]),
+                                                    indent=1) + "\n")
+    plot_curve(record, out / "warmup_curve.png")
+    print(json.dumps(summary, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

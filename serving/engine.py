@@ -1,0 +1,263 @@
+"""The JAX side of serving: chunked prefill of one request, a batched decode step over a fixed
+number of slots, sampling, the prefix cache's copies in and out, and the warm-up.
+
+Every method runs on the scheduler's worker thread (never on the event loop). Slot caches
+hold `capacity` = length_bucket(max_context) positions each, so every request's cache has
+one shape: one set of compiled prefill steps and one batched decode step per key-length
+bucket, all compiled by `warmup` before the server reports ready.
+"""
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model import LayerCache, ModelRunner, init_cache, length_bucket
+from model.sampling import sample_token
+from serving.prefix_cache import Block
+
+log = logging.getLogger("serving.engine")
+
+KV_FIELDS = ("k", "v")
+TOKEN_FIELDS = ("k", "v", "k_index")
+SUMMARY_FIELDS = ("sum", "count", "min", "max", "radius")
+# What an empty block summary holds (indexer.block_summaries.empty_summaries).
+EMPTY_SUMMARY = dict(sum=0.0, count=0, min=np.inf, max=-np.inf, radius=np.inf)
+
+
+@jax.jit
+def sample_batch(logits, seeds, steps, temperatures, top_ps):
+    """logits f32[S, V] -> i32[S]; sequence i samples with key fold_in(key(seed_i), step_i),
+    so a seeded request draws the same tokens whatever else shares its batch."""
+    keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
+    return jax.vmap(sample_token)(logits, keys, temperatures, top_ps)
+
+
+def _put_slot(slots, cache, index):
+    return jax.tree.map(lambda s, c: s.at[index].set(c), slots, cache)
+
+
+def _take_prefix(cache, length, block_size):
+    """{field: array stacked over layers} of the first `length` positions (static): token
+    fields [n_layers, length, ...], summary fields [n_layers, ceil(length / B), ...]."""
+    blocks = -(-length // block_size)
+    out = {name: jnp.stack([getattr(c, name)[:length] for c in cache])
+           for name in TOKEN_FIELDS}
+    out.update({name: jnp.stack([getattr(c.summaries, name)[:blocks] for c in cache])
+                for name in SUMMARY_FIELDS})
+    return out
+
+
+@dataclasses.dataclass
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class Prefill:
+    """A prompt being prefilled: `position` tokens of it are in `cache` so far."""
+
+    tokens: np.ndarray
+    cache: list
+    position: int
+    cache_hit_tokens: int
+    logits: jax.Array | None = None
+
+    @property
+    def done(self):
+        return self.position >= len(self.tokens)
+
+
+class Engine:
+    def __init__(self, model, *, max_context, slots, prefill_chunk=None, prefix_cache=None):
+        self.config = model.config
+        self.runner = ModelRunner(model)
+        self.max_context = max_context
+        self.capacity = length_bucket(max_context)
+        self.n_slots = slots
+        self.chunk = prefill_chunk or self.config.prefill_chunk
+        self.prefix_cache = prefix_cache
+        block = self.config.hierarchical.block_size
+        if prefix_cache is not None and prefix_cache.block_tokens % block:
+            raise ValueError(f"serving config: cache_block_tokens ({prefix_cache.block_tokens})"
+                             f" must be a multiple of the indexer's block size ({block})")
+        # Every cache handed to a jitted step is committed to the device, as the steps'
+        # outputs are (with committed weights): jit keys its compiled programs on it, and a
+        # fresh uncommitted cache would miss the warm-up's programs and compile again.
+        self.device = jax.devices()[0]
+        self.reset_slots()
+        self._put_slot = jax.jit(_put_slot, donate_argnums=0)
+        self._take_prefix = jax.jit(_take_prefix, static_argnums=(1, 2))
+        self._with_prefix = jax.jit(self._cache_with_prefix, static_argnums=(1, 2))
+
+    # ------------------------------------------------------------------ prefill
+
+    def begin_prefill(self, tokens):
+        """A Prefill of `tokens`, its cache starting with the longest cached prefix (at most
+        len - 1 tokens: the last token is always prefilled, for its logits)."""
+        tokens = np.asarray(tokens, np.int32)
+        hit_blocks = []
+        if self.prefix_cache is not None:
+            _, hit_blocks = self.prefix_cache.lookup(tokens, max_tokens=len(tokens) - 1)
+        if not hit_blocks:
+            return Prefill(tokens, self._fresh_cache(), 0, 0)
+        try:
+            cache = self._assemble(hit_blocks)
+        finally:
+            self.prefix_cache.release(hit_blocks)
+        hit = len(hit_blocks) * self.prefix_cache.block_tokens
+        return Prefill(tokens, cache, hit, hit)
+
+    def prefill_step(self, state):
+        """Prefills the next chunk (up to self.chunk tokens) of `state`."""
+        end = min(len(state.tokens), state.position + self.chunk)
+        state.logits, state.cache = self.runner.prefill(
+            state.tokens[state.position:end], cache=state.cache, start=state.position,
+            chunk=self.config.prefill_chunk)
+        state.position = end
+
+    def first_token(self, state, sampling):
+        """Samples the first generated token of a finished prefill."""
+        token = sample_batch(state.logits[None], *self._sampling_arrays([sampling], [0]))
+        return int(np.asarray(token)[0])
+
+    def cache_prompt(self, state):
+        """Stores the prompt's full blocks that the prefix cache lacks (after prefill)."""
+        pc = self.prefix_cache
+        if pc is None or not pc.enabled:
+            return
+        missing = pc.missing(state.tokens)
+        if not missing:
+            return
+        end = (missing[-1] + 1) * pc.block_tokens
+        block = self.config.hierarchical.block_size
+        fields = jax.device_get(self._take_prefix(
+            state.cache, min(self.capacity, length_bucket(end)), block))
+        per_block = pc.block_tokens // block
+        blocks = {}
+        for i in missing:
+            rows = slice(i * pc.block_tokens, (i + 1) * pc.block_tokens)
+            sums = slice(i * per_block, (i + 1) * per_block)
+            blocks[i] = Block(
+                kv={name: fields[name][:, rows].copy() for name in KV_FIELDS},
+                index={"k_index": fields["k_index"][:, rows].copy(),
+                       **{name: fields[name][:, sums].copy() for name in SUMMARY_FIELDS}})
+        pc.insert(state.tokens, blocks)
+
+    def _assemble(self, blocks):
+        """A fresh cache holding the cached blocks' tokens at positions [0, len * P)."""
+        n = len(blocks) * self.prefix_cache.block_tokens
+        padded = min(self.capacity, length_bucket(n))
+        shapes = self._prefix_shapes(padded)
+        prefix = {}
+        for name, shape in shapes.items():
+            joined = np.concatenate([{**b.kv, **b.index}[name] for b in blocks], axis=1)
+            pad = [(0, 0)] * joined.ndim
+            pad[1] = (0, shape.shape[1] - joined.shape[1])
+            # Padding blocks read as empty summaries; padded positions are overwritten by
+            # the prefill before anything reads them.
+            prefix[name] = np.pad(joined, pad, constant_values=EMPTY_SUMMARY.get(name, 0))
+        return self._with_prefix(self._commit(prefix), padded, self.capacity)
+
+    def _commit(self, tree):
+        return jax.device_put(tree, self.device)
+
+    def _fresh_cache(self):
+        return self._commit(self.runner.new_cache(self.max_context))
+
+    def reset_slots(self):
+        """Empty decode slots (at start, and after a failed step consumed them)."""
+        self.slots = self._commit(self.runner.new_batch_cache(self.n_slots, self.max_context))
+
+    def _prefix_shapes(self, padded):
+        """ShapeDtypeStructs of an assembled prefix of `padded` positions, by field."""
+        abstract = jax.eval_shape(lambda: init_cache(self.config, padded))
+        shapes = {name: getattr(abstract[0], name) for name in TOKEN_FIELDS}
+        shapes.update({name: getattr(abstract[0].summaries, name) for name in SUMMARY_FIELDS})
+        n_layers = self.config.n_layers
+        return {name: jax.ShapeDtypeStruct((n_layers, *a.shape), a.dtype)
+                for name, a in shapes.items()}
+
+    def _cache_with_prefix(self, prefix, padded, capacity):
+        out = []
+        for layer, c in enumerate(init_cache(self.config, capacity)):
+            kv = {name: c._asdict()[name].at[:padded].set(prefix[name][layer])
+                  for name in ("k", "v", "k_index")}
+            summaries = type(c.summaries)(*(
+                getattr(c.summaries, name).at[:prefix[name].shape[1]].set(prefix[name][layer])
+                for name in SUMMARY_FIELDS))
+            out.append(LayerCache(kv["k"], kv["v"], kv["k_index"], summaries))
+        return out
+
+    # ------------------------------------------------------------------ decode
+
+    def insert(self, slot, state):
+        """Moves a finished prefill's cache into decode slot `slot`."""
+        self.slots = self._put_slot(self.slots, state.cache, slot)
+        state.cache = None
+
+    def decode(self, batch):
+        """One batched step. batch: {slot: (token, position, Sampling, step)} for the running
+        slots -> {slot: next token}. Idle slots run too (a fixed batch: one compiled step)."""
+        tokens = np.zeros(self.n_slots, np.int32)
+        positions = np.zeros(self.n_slots, np.int32)
+        sampling, steps = [Sampling()] * self.n_slots, [0] * self.n_slots
+        for slot, (token, position, params, step) in batch.items():
+            tokens[slot], positions[slot] = token, position
+            sampling[slot], steps[slot] = params, step
+        logits, self.slots = self.runner.decode_batch(tokens, self.slots, positions)
+        out = np.asarray(sample_batch(logits, *self._sampling_arrays(sampling, steps)))
+        return {slot: int(out[slot]) for slot in batch}
+
+    @staticmethod
+    def _sampling_arrays(sampling, steps):
+        return (jnp.asarray([s.seed % (1 << 31) for s in sampling], jnp.uint32),
+                jnp.asarray(steps, jnp.int32),
+                jnp.asarray([float(s.temperature) for s in sampling], jnp.float32),
+                jnp.asarray([float(s.top_p) for s in sampling], jnp.float32))
+
+    # ------------------------------------------------------------------ warm-up
+
+    def warmup(self, max_len):
+        """Runs once every step shape that requests up to max_len tokens use: each prefill
+        chunk shape, the batched decode step of every key-length bucket, sampling, the slot
+        insert and the prefix cache's copies. Real calls on scratch data, not
+        `jit.lower().compile()`: a first call with concrete arrays traces and lowers again
+        (about as long as the compile on CPU), so only a call warms the call path.
+        Returns the number of key-length buckets."""
+        max_len = min(max_len, self.capacity)
+        if max_len < 1:
+            return 0
+        # Every (padded chunk, key length) pair a prefill can run: padded chunks are powers of
+        # two from 16 to the model's chunk, key lengths powers of two from 256 (the buckets
+        # of model.runner.chunk_plan). A chunk of p tokens ending at K reads K keys.
+        chunk = self.config.prefill_chunk
+        kv_buckets = sorted({min(self.capacity, length_bucket(n))
+                             for n in range(1, max_len + 1, 256)})
+        paddings = sorted({min(chunk, length_bucket(n, minimum=16)) for n in
+                           (1 << p for p in range(0, chunk.bit_length() + 1))})
+        scratch = Prefill(np.zeros(1, np.int32), self._fresh_cache(), 0, 0)
+        for kv_len in kv_buckets:
+            for padded in paddings:
+                if padded <= kv_len:
+                    scratch.tokens = np.zeros(kv_len, np.int32)
+                    scratch.position = kv_len - padded
+                    self.prefill_step(scratch)
+        for kv_len in kv_buckets:
+            self.decode({0: (0, kv_len - 1, Sampling(), 0)})  # slot 0 is overwritten on use
+        self.first_token(scratch, Sampling())
+        if self.prefix_cache is not None and self.prefix_cache.enabled:
+            P = self.prefix_cache.block_tokens
+            block = self.config.hierarchical.block_size
+            for padded in sorted({min(self.capacity, length_bucket(n))
+                                  for n in range(P, max_len + 1, P)}):
+                self._take_prefix(scratch.cache, padded, block)
+                zeros = {name: np.zeros(a.shape, a.dtype)
+                         for name, a in self._prefix_shapes(padded).items()}
+                self._with_prefix(self._commit(zeros), padded, self.capacity)
+        self.insert(0, scratch)
+        return len(kv_buckets)

@@ -1,0 +1,166 @@
+"""Prometheus metrics of the server (vLLM's names with a `dosa_` prefix), and the estimate of
+the indexer's share of a prefill that one of them reports."""
+
+import prometheus_client as prom
+
+# TTFT of a long prefill on a CPU runs to minutes: buckets from 1 ms to 320 s.
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                20.0, 40.0, 80.0, 160.0, 320.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
+                5.12, 10.24)
+
+
+def context_bucket(n_tokens):
+    """The TTFT label for a prompt of n tokens: the power of two at or above it (min 256)."""
+    bucket = 256
+    while bucket < n_tokens:
+        bucket *= 2
+    return str(bucket)
+
+
+def indexer_prefill_share(config, start, n):
+    """Estimated fraction of a prefill's FLOPs spent in the lightning indexer, for n tokens
+    at positions start..start+n-1 of a model with ModelConfig `config`.
+
+    An estimate from FLOP counts, not a timing: the indexer runs inside one jitted prefill,
+    where it cannot be timed apart. Per layer and token: indexer projections
+    2 d (H_I d_I + H_I + d_I) plus scoring 2 H_I d_I per scored key (flat: every visible key;
+    hierarchical: one pooled key per visible block of B, plus its candidate tokens); the rest:
+    QKVO projections, attention 4 H D per read key (sparse: min(top_k, visible); dense: all
+    visible) and the SwiGLU MLP 6 d d_ff. Sorting and top-k are left out of both sides.
+    """
+    c = config
+    hier = c.hierarchical
+    pairs = n * start + n * (n + 1) / 2  # visible keys summed over the n queries
+    proj_index = 2 * c.d_model * (c.index_heads * c.index_dim + c.index_heads + c.index_dim)
+    score = 2 * c.index_heads * c.index_dim
+    proj_main = 2 * c.d_model * (2 * c.n_heads * c.head_dim + 2 * c.n_kv_heads * c.head_dim)
+    mlp = 6 * c.d_model * c.d_ff
+    indexer = attention = 0.0
+    for layer in range(c.n_layers):
+        if c.layer_indexer(layer) == "hierarchical":
+            blocks = pairs / hier.block_size
+            total_blocks = (start + n) / hier.block_size
+            budget = hier.block_size * hier.candidate_blocks(max(1, int(total_blocks)))
+            candidates = min(pairs, n * budget)
+            indexer += proj_index * n + score * (blocks + candidates)
+        else:
+            indexer += proj_index * n + score * pairs
+        if c.layer_is_sparse(layer):
+            read = sum_min(start, n, c.top_k)
+        else:
+            read = pairs
+        attention += 4 * c.n_heads * c.head_dim * read
+    rest = attention + c.n_layers * n * (proj_main + mlp)
+    return indexer / (indexer + rest)
+
+
+def sum_min(start, n, k):
+    """sum over positions t in [start, start + n) of min(k, t + 1) (keys a query reads)."""
+    lo, hi = start + 1, start + n  # visible counts of the first and last query
+    if hi <= k:
+        return (lo + hi) * n / 2
+    if lo >= k:
+        return k * n
+    below = k - lo  # queries with fewer than k visible keys: counts lo .. k - 1
+    return (lo + k - 1) * below / 2 + k * (n - below)
+
+
+class Metrics:
+    """Every metric of one server, in its own registry (several servers can share a process)."""
+
+    def __init__(self, model_version, indexer):
+        self.registry = reg = prom.CollectorRegistry()
+        self.labels = dict(model_version=model_version)
+        self.indexer = indexer
+        by_version = ["model_version"]
+        self.ttft = prom.Histogram(
+            "dosa_time_to_first_token_seconds",
+            "Request arrival to the first generated token available to the caller.",
+            ["model_version", "indexer", "context_bucket"], buckets=TTFT_BUCKETS, registry=reg)
+        self.inter_token = prom.Histogram(
+            "dosa_inter_token_latency_seconds", "Time between two generated tokens of a request.",
+            by_version, buckets=STEP_BUCKETS, registry=reg)
+        self.queue_time = prom.Histogram(
+            "dosa_request_queue_time_seconds", "Arrival to the start of the request's prefill.",
+            by_version, buckets=TTFT_BUCKETS, registry=reg)
+        self.prefill_time = prom.Histogram(
+            "dosa_request_prefill_time_seconds",
+            "Start of the prefill to its first token (chunks interleaved with decode steps).",
+            by_version, buckets=TTFT_BUCKETS, registry=reg)
+        self.e2e = prom.Histogram(
+            "dosa_e2e_request_latency_seconds", "Arrival to the end of the response.",
+            by_version, buckets=TTFT_BUCKETS, registry=reg)
+        self.indexer_share = prom.Gauge(
+            "dosa_indexer_prefill_share",
+            "Indexer share of the last prefill, ESTIMATED from FLOP counts of the config "
+            "(indexer projections and scoring vs projections, attention and MLP; "
+            "serving.metrics.indexer_prefill_share), not timed.", by_version, registry=reg)
+        self.cache_hit_rate = prom.Gauge(
+            "dosa_prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache / prompt tokens looked up, since start.",
+            by_version, registry=reg)
+        self.cache_queries = prom.Counter(
+            "dosa_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+            by_version, registry=reg)
+        self.cache_hits = prom.Counter(
+            "dosa_prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).",
+            by_version, registry=reg)
+        self.cache_bytes = prom.Gauge(
+            "dosa_prefix_cache_bytes", "Bytes held by the prefix cache, by part (kv: keys and "
+            "values; index: indexer keys and block summaries).", ["model_version", "part"],
+            registry=reg)
+        self.cache_bytes_per_token = prom.Gauge(
+            "dosa_prefix_cache_bytes_per_token", "Bytes per cached token, by part (kv, index).",
+            ["model_version", "part"], registry=reg)
+        self.cache_blocks = prom.Gauge(
+            "dosa_prefix_cache_blocks", "Blocks held by the prefix cache.", by_version,
+            registry=reg)
+        self.running = prom.Gauge(
+            "dosa_num_requests_running", "Requests prefilling or decoding.", by_version,
+            registry=reg)
+        self.waiting = prom.Gauge(
+            "dosa_num_requests_waiting", "Admitted requests waiting for a decode slot.",
+            by_version, registry=reg)
+        self.requests = prom.Counter(
+            "dosa_requests", "Finished requests by HTTP status.", ["model_version", "status"],
+            registry=reg)
+        self.errors = prom.Counter(
+            "dosa_request_errors", "Requests that ended in an error, by HTTP status (an "
+            "error inside a stream counts with the status it would have had).",
+            ["model_version", "status"], registry=reg)
+        self.generated_tokens = prom.Counter(
+            "dosa_generation_tokens", "Generated tokens.", by_version, registry=reg)
+        self.prompt_tokens = prom.Counter(
+            "dosa_prompt_tokens", "Prompt tokens of admitted requests.", by_version, registry=reg)
+        self._hits = self._queries = 0
+        for gauge in (self.running, self.waiting, self.cache_blocks, self.cache_hit_rate):
+            gauge.labels(**self.labels).set(0)
+
+    def observe_ttft(self, seconds, prompt_tokens):
+        self.ttft.labels(indexer=self.indexer, context_bucket=context_bucket(prompt_tokens),
+                         **self.labels).observe(seconds)
+
+    def observe_cache_lookup(self, queried, hit):
+        self.cache_queries.labels(**self.labels).inc(queried)
+        self.cache_hits.labels(**self.labels).inc(hit)
+        self._queries += queried
+        self._hits += hit
+        if self._queries:
+            self.cache_hit_rate.labels(**self.labels).set(self._hits / self._queries)
+
+    def set_cache_usage(self, usage):
+        """usage: PrefixCache.usage() (blocks, bytes and bytes per token by part)."""
+        self.cache_blocks.labels(**self.labels).set(usage["blocks"])
+        for part in ("kv", "index"):
+            self.cache_bytes.labels(part=part, **self.labels).set(usage[f"{part}_bytes"])
+            self.cache_bytes_per_token.labels(part=part, **self.labels).set(
+                usage[f"{part}_bytes_per_token"])
+
+    def finished(self, status):
+        self.requests.labels(status=str(status), **self.labels).inc()
+        if status >= 400:
+            self.errors.labels(status=str(status), **self.labels).inc()
+
+    def exposition(self):
+        return prom.generate_latest(self.registry)

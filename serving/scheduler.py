@@ -1,0 +1,269 @@
+"""The scheduler: one worker thread that owns the engine and runs every request.
+
+Each turn of its loop: take new requests; drop the cancelled and the timed-out (their work
+stops there, their slots free up); start the next waiting request's prefill when a decode
+slot is free and no other prefill runs; prefill one chunk of it; run one batched decode
+step for every running request. A long prefill therefore advances one chunk per decode
+step, and running requests keep streaming while it does.
+
+Requests talk to their caller only through `deliver(event)`, called on this thread (the
+API turns it into a hand-off to the event loop).
+"""
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+import traceback
+
+import numpy as np
+
+from serving.engine import Sampling
+from serving.metrics import indexer_prefill_share
+
+log = logging.getLogger("serving.scheduler")
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """kind: "token" (token), "done" (finish_reason: stop | length | cancelled) or "error"
+    (status, message, error_type). time: time.perf_counter() when it happened."""
+
+    kind: str
+    time: float
+    token: int | None = None
+    finish_reason: str | None = None
+    status: int | None = None
+    message: str | None = None
+    error_type: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    id: str
+    prompt: np.ndarray
+    max_tokens: int
+    deliver: object  # callable(Event), called on the worker thread
+    sampling: Sampling = dataclasses.field(default_factory=Sampling)
+    stop_token_ids: frozenset = frozenset()
+    timeout_s: float = 600.0
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    # Worker-thread state
+    generated: list = dataclasses.field(default_factory=list)
+    cache_hit_tokens: int = 0
+    prefill_start: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_reason: str | None = None
+    _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    @property
+    def deadline(self):
+        return self.arrival + self.timeout_s
+
+    @property
+    def cancelled(self):
+        return self._cancelled.is_set()
+
+
+class Scheduler:
+    def __init__(self, engine, metrics=None, *, batching_window_s=0.0):
+        self.engine = engine
+        self.metrics = metrics
+        self.batching_window_s = batching_window_s
+        self._cond = threading.Condition()
+        self._incoming = collections.deque()
+        self._stop = False
+        self.waiting = collections.deque()
+        self.prefilling = None  # (Request, engine.Prefill, slot)
+        self.running = {}  # slot -> Request
+        self.finished_log = collections.deque(maxlen=1000)  # (id, reason, tokens out)
+        self._thread = None
+
+    # ------------------------------------------------------------------ any thread
+
+    def start(self):
+        self._thread = threading.Thread(target=self._loop, name="dosa-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout=10.0):
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, request):
+        with self._cond:
+            self._incoming.append(request)
+            self._cond.notify_all()
+
+    def cancel(self, request):
+        """Stops `request`'s work at the worker's next turn (client gone, stop string)."""
+        request._cancelled.set()
+        with self._cond:
+            self._cond.notify_all()
+
+    def counts(self):
+        """(running, waiting): prefilling or decoding, and admitted but not started."""
+        running = len(self.running) + (self.prefilling is not None)
+        return running, len(self.waiting) + len(self._incoming)
+
+    # ------------------------------------------------------------------ worker thread
+
+    def _loop(self):
+        while True:
+            with self._cond:
+                busy = self.running or self.prefilling or self.waiting
+                if not busy and not self._incoming and not self._stop:
+                    self._cond.wait()
+                    # Just woken from idle: give other requests a moment to join the batch.
+                    deadline = time.perf_counter() + self.batching_window_s
+                    while (not self._stop and len(self._incoming) < self.engine.n_slots
+                           and time.perf_counter() < deadline):
+                        self._cond.wait(deadline - time.perf_counter())
+                if self._stop:
+                    return
+                self.waiting.extend(self._incoming)
+                self._incoming.clear()
+            try:
+                self._turn()
+            except Exception:  # keep serving; the turn's requests got their error
+                log.error("engine turn failed:\n%s", traceback.format_exc())
+            self._update_gauges()
+
+    def _turn(self):
+        self._drop_cancelled()
+        if self.prefilling is None and self.waiting and len(self._free_slots()) > 0:
+            request = self.waiting.popleft()
+            slot = self._free_slots()[0]
+            self._guarded([request], self._begin_prefill, request, slot)
+        if self.prefilling is not None:
+            request, state, slot = self.prefilling
+            self._guarded([request], self._prefill_chunk, request, state, slot)
+        if self.running:
+            self._guarded(list(self.running.values()), self._decode)
+
+    def _guarded(self, requests, fn, *args):
+        try:
+            fn(*args)
+        except Exception as e:
+            log.error("engine error:\n%s", traceback.format_exc())
+            for request in requests:
+                self._finish(request, error=(500, f"internal error: {type(e).__name__}: {e}",
+                                             "server_error"))
+            if fn == self._decode:  # the donated slot caches may be gone: start afresh
+                self.engine.reset_slots()
+
+    def _free_slots(self):
+        taken = set(self.running)
+        if self.prefilling is not None:
+            taken.add(self.prefilling[2])
+        return [s for s in range(self.engine.n_slots) if s not in taken]
+
+    def _drop_cancelled(self):
+        now = time.perf_counter()
+        requests = list(self.waiting) + list(self.running.values())
+        if self.prefilling is not None:
+            requests.append(self.prefilling[0])
+        for request in requests:
+            if request.cancelled:
+                self._finish(request, reason="cancelled")
+            elif now > request.deadline:
+                self._finish(request, error=(504, f"request timed out after "
+                                                  f"{request.timeout_s:g} s", "timeout_error"))
+
+    def _begin_prefill(self, request, slot):
+        request.prefill_start = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.queue_time.labels(**self.metrics.labels).observe(
+                request.prefill_start - request.arrival)
+        state = self.engine.begin_prefill(request.prompt)
+        request.cache_hit_tokens = state.cache_hit_tokens
+        if self.metrics is not None:
+            self.metrics.observe_cache_lookup(len(request.prompt), state.cache_hit_tokens)
+            self.metrics.indexer_share.labels(**self.metrics.labels).set(
+                indexer_prefill_share(self.engine.config, state.position,
+                                      len(request.prompt) - state.position))
+        self.prefilling = (request, state, slot)
+
+    def _prefill_chunk(self, request, state, slot):
+        self.engine.prefill_step(state)
+        if not state.done:
+            return
+        self.prefilling = None
+        token = self.engine.first_token(state, request.sampling)
+        if self.metrics is not None:
+            self.metrics.prefill_time.labels(**self.metrics.labels).observe(
+                time.perf_counter() - request.prefill_start)
+        goes_on = self._emit_token(request, token)  # first: caching must not delay TTFT
+        self.engine.cache_prompt(state)
+        if self.metrics is not None and self.engine.prefix_cache is not None:
+            self.metrics.set_cache_usage(self.engine.prefix_cache.usage())
+        if goes_on:
+            self.engine.insert(slot, state)
+            self.running[slot] = request
+
+    def _decode(self):
+        batch = {slot: (r.generated[-1], len(r.prompt) + len(r.generated) - 1, r.sampling,
+                        len(r.generated)) for slot, r in self.running.items()}
+        for slot, token in self.engine.decode(batch).items():
+            self._emit_token(self.running[slot], token)
+
+    def _emit_token(self, request, token):
+        """Delivers `token` (or finishes the request on a stop token or its length limit);
+        returns whether the request goes on."""
+        now = time.perf_counter()
+        if request.first_token_time is None:
+            request.first_token_time = now
+        elif self.metrics is not None:
+            self.metrics.inter_token.labels(**self.metrics.labels).observe(
+                now - request.last_token_time)
+        request.last_token_time = now
+        if token in request.stop_token_ids:
+            self._finish(request, reason="stop")
+            return False
+        request.generated.append(token)
+        if self.metrics is not None:
+            self.metrics.generated_tokens.labels(**self.metrics.labels).inc()
+        _send(request, Event("token", now, token=token))
+        if len(request.generated) >= request.max_tokens:
+            self._finish(request, reason="length")
+            return False
+        return True
+
+    def _finish(self, request, *, reason=None, error=None):
+        """Removes `request` from wherever it is and tells its caller."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if self.prefilling is not None and self.prefilling[0] is request:
+            self.prefilling = None  # its cache is dropped with the Prefill
+        for slot, r in list(self.running.items()):
+            if r is request:
+                del self.running[slot]
+        now = time.perf_counter()
+        if error is not None:
+            status, message, error_type = error
+            request.finish_reason = "error"
+            event = Event("error", now, status=status, message=message, error_type=error_type)
+        else:
+            request.finish_reason = reason
+            event = Event("done", now, finish_reason=reason)
+        self.finished_log.append((request.id, request.finish_reason, len(request.generated)))
+        _send(request, event)
+
+    def _update_gauges(self):
+        if self.metrics is None:
+            return
+        running, waiting = self.counts()
+        self.metrics.running.labels(**self.metrics.labels).set(running)
+        self.metrics.waiting.labels(**self.metrics.labels).set(waiting)
+
+
+
+def _send(request, event):
+    try:
+        request.deliver(event)
+    except Exception:  # a caller that is gone (closed event loop) must not stop the engine
+        log.warning("could not deliver %s to request %s", event.kind, request.id)

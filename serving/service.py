@@ -1,0 +1,144 @@
+"""What the HTTP layer serves from: loading and warm-up in the background, readiness,
+draining, admission control, and the engine + scheduler once loaded."""
+
+import logging
+import threading
+import time
+
+from serving.protocol import APIError
+
+log = logging.getLogger("serving")
+
+LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
+
+
+class Service:
+    """loader() -> serving.loading.LoadedModel (default: load_model(config.model, ...)).
+
+    Readiness: LOADING until the model is loaded and its buckets compiled, then READY;
+    DRAINING after `drain()` (in-flight requests finish, new ones get 503); FAILED when
+    loading raised (`error` says why). The admission count (running + waiting requests)
+    is kept on the event loop's thread.
+    """
+
+    def __init__(self, config, *, loader=None):
+        self.config = config
+        self._loader = loader
+        self.state = LOADING
+        self.error = None
+        self.loaded = self.engine = self.scheduler = self.metrics = None
+        self.model_id = None
+        self.max_context = None
+        self.active = 0
+        self.started = time.time()
+        self._ready = threading.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self):
+        threading.Thread(target=self._load, name="dosa-load", daemon=True).start()
+
+    def wait_ready(self, timeout=None):
+        self._ready.wait(timeout)
+        return self.state == READY
+
+    def _load(self):
+        try:
+            self._build()
+            self.state = READY
+            log.info("ready: serving %s on up to %d tokens of context (%s)", self.model_id,
+                     self.max_context, self.loaded.description)
+        except Exception as e:
+            log.exception("loading failed")
+            self.error = f"{type(e).__name__}: {e}"
+            self.state = FAILED
+        finally:
+            self._ready.set()
+
+    def _build(self):
+        from serving.engine import Engine
+        from serving.loading import load_model
+        from serving.metrics import Metrics
+        from serving.prefix_cache import PrefixCache
+        from serving.scheduler import Scheduler
+
+        cfg = self.config
+        t0 = time.perf_counter()
+        if self._loader is not None:
+            loaded = self._loader()
+        else:
+            loaded = load_model(cfg.model, cfg.model_overrides())
+        model_config = loaded.model.config
+        max_context = cfg.max_context
+        if max_context > model_config.max_seq_len:
+            log.warning("max_context %d is past the model's max_seq_len %d: serving %d",
+                        max_context, model_config.max_seq_len, model_config.max_seq_len)
+            max_context = model_config.max_seq_len
+        log.info("loaded %s in %.1f s: %s", loaded.model_id, time.perf_counter() - t0,
+                 loaded.description)
+        cache = PrefixCache(cfg.cache_block_tokens, max_blocks=cfg.cache_size,
+                            max_bytes=cfg.cache_bytes)
+        engine = Engine(loaded.model, max_context=max_context, slots=cfg.decode_slots,
+                        prefill_chunk=cfg.prefill_chunk, prefix_cache=cache)
+        warm = max_context if cfg.warmup_max_context is None else cfg.warmup_max_context
+        t0 = time.perf_counter()
+        buckets = engine.warmup(min(warm, max_context))
+        log.info("warm-up: compiled %d key-length buckets up to %d tokens in %.1f s", buckets,
+                 min(warm, max_context), time.perf_counter() - t0)
+        self.model_id = cfg.model_version or loaded.model_id
+        metrics = Metrics(self.model_id, indexer_label(model_config))
+        scheduler = Scheduler(engine, metrics, batching_window_s=cfg.batching_window_ms / 1000)
+        scheduler.start()
+        self.loaded, self.engine, self.metrics = loaded, engine, metrics
+        self.scheduler, self.max_context = scheduler, max_context
+
+    def drain(self):
+        """Stops admitting requests; those in flight go on."""
+        if self.state == READY:
+            self.state = DRAINING
+            log.info("draining: %d requests in flight, new ones get 503", self.active)
+
+    def idle(self):
+        return self.active == 0
+
+    def stop(self):
+        if self.scheduler is not None:
+            self.scheduler.stop()
+
+    # ------------------------------------------------------------------ per request
+
+    def health(self):
+        """(HTTP status, body) of GET /health."""
+        body = {"status": self.state, "model": self.model_id}
+        if self.state == FAILED:
+            body["error"] = self.error
+        if self.state == READY:
+            running, waiting = self.scheduler.counts()
+            body.update(running=running, waiting=waiting, active=self.active,
+                        admission_limit=self.config.queue_size)
+            return 200, body
+        return 503, body
+
+    def require_ready(self):
+        if self.state == READY:
+            return
+        messages = {LOADING: "the model is still loading and compiling; retry shortly",
+                    DRAINING: "the server is shutting down (draining); not accepting requests",
+                    FAILED: f"the model failed to load: {self.error}"}
+        raise APIError(503, messages[self.state])
+
+    def admit(self):
+        """Counts one more running-or-waiting request; 503 past the admission limit."""
+        self.require_ready()
+        if self.active >= self.config.queue_size:
+            raise APIError(503, f"server is at its admission limit of {self.config.queue_size} "
+                                f"requests (running + waiting); retry later")
+        self.active += 1
+
+    def release(self):
+        self.active -= 1
+
+
+def indexer_label(config):
+    """What the TTFT histogram's `indexer` label says: dense, or sparse's selection."""
+    return "dense" if config.attention == "dense" else config.indexer
