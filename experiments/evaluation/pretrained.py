@@ -157,7 +157,8 @@ def to_markdown(report):
     lines = [f"# {report['model']}: dense vs DSA on held-out text", "",
              f"top_k {report['config']['top_k']}, dense layers "
              f"{report['config']['dense_layers'] or 'none'}, hierarchical "
-             f"{report['hierarchical_budget']}, rope_scaling {report['config']['rope_scaling']}",
+             f"{report['hierarchical_budget']}, rope_scaling {report['config']['rope_scaling']}, "
+             f"index_rope_scaling {report['config']['index_rope_scaling']}",
              "", "| L | ppl dense | flat | hier | top-1 flat/dense | hier/dense | hier/flat | "
              "recall | IoU | mass flat | mass hier | passkey dense | flat | hier |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -203,6 +204,8 @@ def main(argv=None):
     p.add_argument("--hierarchical", default=None, metavar="FIELD=VALUE,...",
                    help="HierarchicalConfig overrides, e.g. candidate_tokens=4096")
     p.add_argument("--rope-scaling", type=float, default=None)
+    p.add_argument("--index-rope-scaling", type=float, default=None,
+                   help="position interpolation of the indexer only (default: rope-scaling)")
     p.add_argument("--queries", type=int, default=1024,
                    help="last positions whose selections are compared")
     p.add_argument("--probe-sequences", type=int, default=4)
@@ -220,6 +223,8 @@ def main(argv=None):
         overrides["dense_layers"] = parse_layers(args.dense_layers)
     if args.rope_scaling is not None:
         overrides["rope_scaling"] = args.rope_scaling
+    if args.index_rope_scaling is not None:
+        overrides["index_rope_scaling"] = args.index_rope_scaling
     indexer_dir = None if args.indexer_dir == "none" else args.indexer_dir
     pre = load_pretrained(args.model, indexer_dir=indexer_dir, **overrides)
     model = pre.model

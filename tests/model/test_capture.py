@@ -98,6 +98,7 @@ def test_generate_rejects_bad_max_new_tokens(bad):
         list(ModelRunner(_model(0)).generate(_tokens(0, 8), bad))
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_logits_from_returns_the_rows_from_that_position_on():
     runner = ModelRunner(_model(10))
     toks = _tokens(11, 130)

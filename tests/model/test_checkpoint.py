@@ -6,6 +6,7 @@ from flax import nnx
 from model import Transformer, get_config, restore_checkpoint, save_checkpoint
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_round_trip_restores_weights_config_and_metadata(tmp_path):
     model = Transformer(get_config("tiny"), rngs=nnx.Rngs(11))
     save_checkpoint(tmp_path / "ckpt", model, step=3, metadata={"note": "hello"})

@@ -88,6 +88,7 @@ def test_config_round_trip_with_nested_hierarchical_config():
         ModelConfig(hierarchical=3)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_flat_index_layers_keep_those_layers_flat():
     toks = jnp.asarray(_tokens(3, 96))
     flat = _model(2).forward(toks)
