@@ -64,6 +64,7 @@ def test_small_budget_loses_attention_mass(tiny, tmp_path):
     assert 0.0 < s["recall_sparse_layers"] <= 1.0
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_selection_only(tiny, tmp_path):
     ev.main(["--model", str(tiny), "--indexer-dir", "none", "--lengths", "256",
              "--top-k", "16", "--hierarchical", "candidate_tokens=32,block_size=16",

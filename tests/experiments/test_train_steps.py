@@ -133,6 +133,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
     assert lr[100] == pytest.approx(0.1)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 @pytest.mark.parametrize("stage", ts.STAGES)
 def test_micro_batches_give_the_same_update(tiny, stage):
     graphdef, main, idx, rest = ts.split_model(tiny)
@@ -150,6 +151,7 @@ def test_micro_batches_give_the_same_update(tiny, stage):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 @pytest.mark.parametrize("stage", ["dense", "indexer_warmup"])
 def test_remat_gives_the_same_loss_and_gradients(tiny, stage):
     graphdef, main, idx, rest = ts.split_model(tiny)

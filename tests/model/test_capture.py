@@ -21,6 +21,7 @@ def _tokens(seed, n):
     return np.asarray(jax.random.randint(jax.random.key(seed), (n,), 0, 256), np.int32)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 @pytest.mark.parametrize("attention, kinds", [("dense", ("indexer", "attention_target")),
                                               ("sparse", ("indexer", "indices"))])
 def test_capture_leaves_the_logits_unchanged(attention, kinds):
@@ -43,6 +44,7 @@ def test_attention_target_is_a_causal_distribution_over_keys():
         assert p[0, 0] == pytest.approx(1.0)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_captured_indices_are_the_flat_top_k_of_the_captured_indexer_outputs():
     model = _model(2)  # sparse, flat
     _, captured = model.forward(jnp.asarray(_tokens(3, 80)), capture=("indexer", "indices"))

@@ -28,6 +28,7 @@ def test_tiny_hierarchical_budget_is_smaller_than_the_test_contexts():
     assert h.candidate_tokens < 70 and h.query_tile > 1 and h.bound_blocks > 0
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 @pytest.mark.parametrize("exact", [False, True])
 def test_prefill_then_decode_equals_prefill_of_concatenation(exact):
     config = get_config("tiny", indexer="hierarchical")

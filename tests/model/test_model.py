@@ -41,6 +41,7 @@ def test_causality(attention):
     assert not np.allclose(a[30:], b[30:], atol=1e-3)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_sparse_with_top_k_covering_context_equals_dense():
     dense = _model(2, attention="dense")
     sparse = _model(2, attention="sparse", top_k=64)
@@ -128,6 +129,7 @@ def test_sampling_rules():
         validate_sampling(-1.0, 1.0)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_index_rope_scaling_moves_only_the_indexer_positions():
     """With index_rope_scaling s, the indexer's keys at position s * p equal those at p
     unscaled, the main attention is untouched, and None follows rope_scaling."""
