@@ -85,6 +85,7 @@ def test_capture_from_outside_the_prefill_is_rejected():
         runner.prefill(_tokens(0, 20), capture=("indexer",), capture_from=20)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_generation_from_an_existing_cache_continues_the_prompt():
     runner = ModelRunner(_model(6))
     toks = _tokens(7, 90)
@@ -121,6 +122,7 @@ def test_compile_prefill_compiles_each_distinct_step_once():
     assert runner.compile_prefill(200, chunk=64, logits_from=150) == 3
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_window_selection_reads_the_last_top_k_tokens():
     """indexer="window": each query attends to itself and the top_k - 1 tokens before it
     (no indexer scoring) - sliding-window attention, the baseline the main job subtracts."""

@@ -78,6 +78,7 @@ def test_correctness_fails_exactly_the_wrong_kernel(tmp_path, monkeypatch, broke
                if not name.startswith("api"))
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_correctness_inputs_are_fresh_unless_seeded(tmp_path, monkeypatch):
     _stand_ins(monkeypatch)
     first, second = _correctness(tmp_path), _correctness(tmp_path)
