@@ -80,6 +80,17 @@ def parse_layers(text):
                          f"got {text!r}") from None
 
 
+def parse_hierarchical(text, base):
+    """A CLI 'FIELD=VALUE,...' of HierarchicalConfig fields over `base` (a HierarchicalConfig)
+    -> the new config. Values are YAML scalars (4096, 0.1, null / None, true); the config
+    validates them (ValueError naming the field)."""
+    import yaml
+
+    fields = dict(item.split("=", 1) for item in (text or "").split(",") if item.strip())
+    return base.replace(**{k.strip(): None if v.strip() == "None" else yaml.safe_load(v)
+                           for k, v in fields.items()})
+
+
 def default_out_dir(name):
     """runs/<name>: where a script writes when --out is not given (git-ignored)."""
     return RUNS_DIR / name

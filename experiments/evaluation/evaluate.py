@@ -27,7 +27,6 @@ JSON and Markdown go to OUT/eval.json and OUT/eval.md (default runs/eval/).
 """
 
 import argparse
-import dataclasses
 import json
 import math
 import pathlib
@@ -38,10 +37,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import yaml
 from flax import nnx
 
-from experiments.common import default_out_dir, display_path, parse_layers
+from experiments.common import default_out_dir, display_path, parse_hierarchical, parse_layers
 from experiments.data import Corpus, file_list_digest
 from experiments.evaluation.metrics import (
     pair_metrics,
@@ -341,9 +339,7 @@ def main(argv=None):
     if args.top_k and args.smoke:
         model = with_config(model, model.config.replace(top_k=args.top_k))
     if args.hierarchical:
-        fields = dict(item.split("=", 1) for item in args.hierarchical.split(","))
-        hier = dataclasses.replace(model.config.hierarchical,
-                                   **{k.strip(): yaml.safe_load(v) for k, v in fields.items()})
+        hier = parse_hierarchical(args.hierarchical, model.config.hierarchical)
         model = with_config(model, model.config.replace(hierarchical=hier))
     if args.index_rope_scaling is not None:
         value = args.index_rope_scaling.strip().lower()

@@ -32,7 +32,14 @@ import time
 import jax
 import numpy as np
 
-from experiments.common import add_out_argument, display_path, parse_layers, write_json
+from experiments.common import (
+    add_out_argument,
+    display_path,
+    parse_hierarchical,
+    parse_layers,
+    write_json,
+)
+from experiments.evaluation.evaluate import target_nll
 from experiments.evaluation.metrics import pair_metrics, selection_metrics, selections_on_captured
 from experiments.evaluation.passkey import build_passkey_sequence, score_passkeys, wilson_interval
 from experiments.text_corpus import heldout_text_tokens
@@ -49,8 +56,9 @@ def method_config(config, method):
 
 
 def nll_of(logits, tokens):
-    lp = jax.nn.log_softmax(logits, axis=-1)
-    return -np.take_along_axis(np.asarray(lp[:-1]), tokens[1:, None], axis=1)[:, 0], lp
+    """-> (NLL in nats of tokens[1:], log-probs f32[L, V])."""
+    lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    return target_nll(lp, tokens)[1:], lp
 
 
 def attention_mass(selection, target):
@@ -229,10 +237,7 @@ def main(argv=None):
     pre = load_pretrained(args.model, indexer_dir=indexer_dir, **overrides)
     model = pre.model
     if args.hierarchical:
-        fields = dict(kv.split("=", 1) for kv in args.hierarchical.split(","))
-        hier = model.config.hierarchical.to_dict()
-        for k, v in fields.items():
-            hier[k] = None if v == "None" else type(hier[k] if hier.get(k) is not None else 0)(v)
+        hier = parse_hierarchical(args.hierarchical, model.config.hierarchical)
         model = with_config(model, model.config.replace(hierarchical=hier))
     lengths = [int(x) for x in args.lengths.split(",")]
     top = max(lengths)
@@ -256,6 +261,8 @@ def main(argv=None):
                           argv if argv is not None else __import__("sys").argv[1:]),
                       lengths=results, wall_s=round(time.monotonic() - t0, 1))
         report["info"]["path"] = pathlib.Path(report["info"]["path"]).name
+        if report["info"]["indexer"] != "fresh":
+            report["info"]["indexer"] = display_path(report["info"]["indexer"])
         write_json(out / "eval.json", report)
         (out / "eval.md").write_text(to_markdown(report))
     print(to_markdown(report))

@@ -27,10 +27,9 @@ import time
 
 import jax
 import numpy as np
-import yaml
 from tqdm import tqdm
 
-from experiments.common import enable_compile_cache
+from experiments.common import enable_compile_cache, parse_hierarchical
 from experiments.data import sample_batch
 from experiments.text_corpus import (
     heldout_text_tokens,
@@ -192,8 +191,7 @@ def main(argv=None):
         print(f"stopped by {stopped} at step {record['step']}/{args.steps}; rerun the same "
               f"command to continue from {work}")
         return
-    hier = dict(kv.split("=", 1) for kv in args.hierarchical.split(",") if kv.strip())
-    hier = model.config.hierarchical.replace(**{k: yaml.safe_load(v) for k, v in hier.items()})
+    hier = parse_hierarchical(args.hierarchical, model.config.hierarchical)
     final = model.config.replace(attention="sparse", top_k=args.top_k, dense_layers=dense_layers,
                                  hierarchical=hier)
     base = dict(name=args.model if args.model in PRETRAINED else None,

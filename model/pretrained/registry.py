@@ -172,7 +172,10 @@ def load_pretrained(name_or_path, *, dtype="float32", indexer_dir="default", see
                 indexer="fresh")
     if indexer_dir is not None:
         stored, base, _ = read_indexer_meta(indexer_dir)
-        if path.is_file() and base.get("sha256") and base["sha256"] != file_sha256(path):
+        # a named model's file was just checked against its known sha256 by fetch_pretrained
+        digest = PRETRAINED[name_or_path].sha256 if named else (
+            file_sha256(path) if path.is_file() and base.get("sha256") else None)
+        if digest is not None and base.get("sha256") and base["sha256"] != digest:
             raise PretrainedFormatError(f"indexer weights in {indexer_dir} belong to a base file "
                                         f"with sha256 {base['sha256']}, not {path}")
         config = stored.replace(dtype=dtype)
