@@ -18,6 +18,7 @@ import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serving import protocol
@@ -195,7 +196,12 @@ def create_app(service):
             "description": service.loaded.description}]}
 
     async def read_body(request):
-        return protocol.parse_json_body(await request.body(), request.headers.get("content-type"))
+        try:
+            raw = await request.body()
+        except ClientDisconnect:  # hung up before its body arrived: nothing was started
+            raise APIError(499, "client closed the connection before sending its request "
+                                "body") from None
+        return protocol.parse_json_body(raw, request.headers.get("content-type"))
 
     def admit(prompt_ids, max_tokens, params, arrival, prefix):
         max_tokens = protocol.check_length(len(prompt_ids), max_tokens, service.max_context)

@@ -11,7 +11,7 @@ import math
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                404: "not_found_error", 500: "server_error", 503: "service_unavailable",
-               504: "timeout_error"}
+               504: "timeout_error", 499: "client_closed_request"}
 MAX_STOP_STRINGS = 4
 TEMPERATURE_RANGE = (0.0, 2.0)
 
