@@ -1,7 +1,8 @@
 """dosa's main job: time to first token of flat vs hierarchical selection, side by side.
 
     python -m experiments.run [--config experiments/configs/run_default.yaml] [--out DIR]
-        [--set key.path=value ...]
+        [--set key.path=value ...] [--mesh sequence=4,tensor=2]
+        [--coordinator-address HOST:PORT --num-processes N --process-id I]
 
 For every context length and mode of the config (default: the shipped `small` checkpoint on
 held-out real text; sparse-flat and sparse-hierarchical at 8K, 16K and 32K, dense up to
@@ -19,6 +20,7 @@ import shlex
 import sys
 import time
 
+import jax
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -30,6 +32,7 @@ from experiments.ttft.config import load_run_config
 from experiments.ttft.report import COLUMNS, markdown, plot, row_cells, summary_line
 from experiments.ttft.study import METHOD, environment, load_source, run_study
 from model import CheckpointMissingError
+from model.sharding import add_parallel_arguments, check_mesh, mesh_from_args, use_mesh
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "run_default.yaml"
 
@@ -44,6 +47,7 @@ def parse_args(argv):
     p.add_argument("--model", default=None, metavar="NAME|PATH",
                    help="a pretrained model (e.g. smollm2-135m) or a .gguf / HF folder: "
                         "shorthand for --set model.pretrained=NAME")
+    add_parallel_arguments(p)  # --mesh, --coordinator-address, --num-processes, --process-id
     add_out_argument(p, "run")
     args = p.parse_args(argv)
     if args.model is not None:
@@ -59,6 +63,11 @@ def parse_args(argv):
 
 def main(argv=None):
     p, args, run = parse_args(argv)
+    try:  # jax.distributed first: no other JAX call may come before it
+        mesh = mesh_from_args(args)
+    except ValueError as e:
+        p.error(str(e))
+    lead = jax.process_index() == 0  # with several processes, process 0 reports
     # A pipe or log file gets the whole table, not 80 columns of it.
     console = Console(width=None if sys.stdout.isatty() else 200)
     enable_compile_cache()
@@ -69,6 +78,11 @@ def main(argv=None):
         p.error(str(e))
     except (ValueError, ConfigError) as e:
         p.error(f"model: {e}")
+    if mesh is not None:
+        try:
+            check_mesh(model.config, mesh)
+        except ValueError as e:
+            p.error(str(e))
     for spec in run.modes:  # bad mode fields fail before any measurement
         try:
             spec.model_config(model.config)
@@ -94,14 +108,19 @@ def main(argv=None):
                 started.append(description)
             bar.update(task, description=description)
 
-        rows, summary = run_study(run, model, heldout, random_weights=random_weights,
-                                  progress=progress, log=console.print)
+        with use_mesh(mesh):  # every runner of the study runs on the mesh
+            rows, summary = run_study(run, model, heldout, random_weights=random_weights,
+                                      progress=progress, log=console.print)
         bar.update(task, completed=total, description="done")
     command = "python -m experiments.run " + shlex.join(argv if argv is not None
                                                         else sys.argv[1:])
     results = {"config": run.to_dict(), "model": description, "random_weights": random_weights,
                "env": environment(), "method": METHOD, "runs": rows, "summary": summary,
-               "command": command, "wall_s": time.perf_counter() - t0}
+               "command": command, "wall_s": time.perf_counter() - t0,
+               "mesh": None if mesh is None else dict(mesh.shape),
+               "processes": jax.process_count()}
+    if not lead:
+        return results
     out = pathlib.Path(args.out)
     write_json(out / "results.json", results)
     (out / "report.md").write_text(markdown(results))

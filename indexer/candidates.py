@@ -24,7 +24,7 @@ def forced_blocks(q_positions, n_blocks, *, block_size, sink_blocks, local_block
 
 def select_candidate_blocks(scores, q_positions, n_candidates, *, block_size, sink_blocks=1,
                             local_blocks=1, bound_scores=None, bound_blocks=0,
-                            keep_ratio=None):
+                            keep_ratio=None, keep_blocks=None):
     """Each query's candidate blocks -> i32[T, n_candidates] (-1 = none), in rank order:
     forced blocks, then the best by `scores`, then (last `bound_blocks` slots) the best
     remaining by `bound_scores`.
@@ -32,7 +32,9 @@ def select_candidate_blocks(scores, q_positions, n_candidates, *, block_size, si
     scores f32[T, nb]: coarse block scores, -inf where the query does not see the block;
     q_positions i32[T] (-1 = padding row); bound_scores f32[T, nb] or None: per-block upper
     bounds (indexer.exact.block_upper_bounds). keep_ratio: keep only
-    ceil(keep_ratio * blocks the query sees) (at least the forced ones).
+    ceil(keep_ratio * blocks the query sees) (at least the forced ones). keep_blocks
+    i32[T] or None: keep at most this many of the forced and best-scored blocks per query
+    (the mass rule, indexer.coarse_screen.mass_budget); the bound slots stay.
     """
     T, nb = scores.shape
     n_candidates = min(n_candidates, nb)
@@ -48,6 +50,9 @@ def select_candidate_blocks(scores, q_positions, n_candidates, *, block_size, si
             True, mode="drop")
         btop, bblocks = jax.lax.top_k(jnp.where(taken, -jnp.inf, bound_scores), bound_blocks)
         table = jnp.concatenate([table, jnp.where(btop > -jnp.inf, bblocks, -1)], axis=1)
+    if keep_blocks is not None:
+        slot = jnp.arange(table.shape[1])[None, :]
+        table = jnp.where((slot < keep_blocks[:, None]) | (slot >= n_main), table, -1)
     if keep_ratio is not None:
         seen = jnp.where(q_positions >= 0, q_positions // block_size + 1, 0)
         keep = jnp.maximum(jnp.ceil(keep_ratio * seen - 1e-6).astype(jnp.int32),
@@ -134,6 +139,12 @@ def table_tokens(block_table, cols, block_size, query_tile):
     tile = (jnp.arange(T) // query_tile)[:, None]
     blocks = block_table[tile, jnp.clip(cols // block_size, 0, n_cand - 1)]
     return blocks * block_size + cols % block_size
+
+
+def compact_blocks(blocks):
+    """The entries >= 0 of each row first, in their order, then the -1s (i32[T, n])."""
+    order = jnp.argsort(blocks < 0, axis=1, stable=True)
+    return jnp.take_along_axis(blocks, order, axis=1)
 
 
 def sort_blocks(blocks):

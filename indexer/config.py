@@ -9,6 +9,7 @@ import dataclasses
 import math
 
 HEAD_SELECT_KINDS = ("max_abs_weight", "first")
+COARSE_KINDS = ("mean", "learned")
 _INT_MAX = 1 << 30
 
 
@@ -81,6 +82,20 @@ class HierarchicalConfig(FrozenConfig):
     exact: after the approximate pass, keep rescoring blocks whose upper bound reaches the
       current k-th score until none does: the result equals flat top_k (ties aside).
     refine_blocks: blocks per query tile rescored in each exact-mode round.
+    coarse: the coarse scorer: "mean" (pooled mean keys) or "learned" (the trained coarse
+      screen of indexer.coarse_screen: learned per-dimension scales of each query against
+      the blocks' [mean | max | min]; its parameters come from the model, see
+      indexer.CoarseScreen).
+    coarse_mass: adaptive budget (None: off). Each query keeps the fewest of its best
+      blocks whose softmax mass over the coarse scores (at coarse_temperature) reaches this
+      threshold, in (0, 1], plus its forced blocks; candidate_tokens / coarse_keep_ratio
+      is then the maximum. Shapes are static, so the cost follows the largest need of each
+      chunk of fine_batch_size queries, rounded up to one of `mass_buckets` fractions of
+      the maximum (one compiled branch each, lax.switch).
+    coarse_temperature: the softmax temperature of the mass rule; None: the screen's own
+      trained temperature (indexer.CoarseScreen; 1.0 for an untrained one).
+    mass_buckets: the fractions of the maximum budget the mass rule can run at
+      (ascending, the last 1.0).
     """
 
     block_size: int = 64
@@ -98,6 +113,10 @@ class HierarchicalConfig(FrozenConfig):
     fast_ranking: bool = True
     exact: bool = False
     refine_blocks: int = 32
+    coarse: str = "mean"
+    coarse_mass: float | None = None
+    coarse_temperature: float | None = None
+    mass_buckets: tuple[float, ...] = (0.25, 0.5, 1.0)
 
     def __post_init__(self):
         def fail(name, allowed):
@@ -130,6 +149,27 @@ class HierarchicalConfig(FrozenConfig):
                              "coarse_keep_ratio (set candidate_tokens=None to use "
                              f"coarse_keep_ratio); got candidate_tokens={self.candidate_tokens!r}, "
                              f"coarse_keep_ratio={ratio!r}")
+        if self.coarse not in COARSE_KINDS:
+            fail("coarse", f"one of {COARSE_KINDS}")
+        for name in ("coarse_mass", "coarse_temperature"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(
+                    value, (int, float)) or not value > 0 or (name == "coarse_mass"
+                                                             and value > 1)):
+                fail(name, "None or a number in (0, 1]" if name == "coarse_mass"
+                     else "None or a number > 0")
+        buckets = self.mass_buckets
+        if isinstance(buckets, list):
+            object.__setattr__(self, "mass_buckets", tuple(buckets))
+            buckets = self.mass_buckets
+        if (not isinstance(buckets, tuple) or not buckets
+                or any(isinstance(b, bool) or not isinstance(b, (int, float)) for b in buckets)
+                or list(buckets) != sorted(set(buckets)) or not 0 < buckets[0]
+                or buckets[-1] != 1.0):
+            fail("mass_buckets", "ascending distinct fractions in (0, 1] ending with 1.0")
+        if self.coarse_mass is not None and self.exact:
+            raise ValueError("HierarchicalConfig: coarse_mass (an adaptive budget) and exact "
+                             "(certified equal to flat) cannot be combined")
         if self.coarse_head_select not in HEAD_SELECT_KINDS:
             fail("coarse_head_select", f"one of {HEAD_SELECT_KINDS}")
         for name in ("exact", "share_tile_candidates", "fast_ranking"):

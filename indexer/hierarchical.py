@@ -16,6 +16,7 @@ is O(fine_batch_size * (L / block_size + candidates)), never [T, L].
 """
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -30,6 +31,8 @@ from indexer.block_summaries import (
     visible_blocks,
 )
 from indexer.candidates import (
+    compact_blocks,
+    forced_blocks,
     select_candidate_blocks,
     sort_blocks,
     spread_boosted_scores,
@@ -37,6 +40,7 @@ from indexer.candidates import (
     table_tokens,
     tile_candidate_union,
 )
+from indexer.coarse_screen import mass_budget, screen_block_scores
 from indexer.config import HierarchicalConfig
 from indexer.exact import block_upper_bounds, refine_exact
 
@@ -139,6 +143,7 @@ class _Plan(NamedTuple):
     n_cand: int  # candidate blocks per query
     n_union: int  # blocks in a tile's table
     own: bool  # rank each query over its own candidates (else the tile's union)
+    buckets: tuple  # mass rule: ((candidate blocks, table blocks), ...) ascending; else ()
 
 
 def hierarchical_plan(config, T, L, top_k, H):
@@ -162,28 +167,58 @@ def hierarchical_plan(config, T, L, top_k, H):
         tile_tokens = config.tile_candidate_tokens or 2 * n_cand * B
         n_union = min(nb, max(n_cand, -(-tile_tokens // B)))
     own = tile > 1 and not config.share_tile_candidates
-    return _Plan(tile, chunk, -(-T // chunk), nb, n_cand, n_union, own)
+    buckets = ()
+    if config.coarse_mass is not None:
+        sizes = sorted({min(n_cand, max(forced, math.ceil(f * n_cand - 1e-9)))
+                        for f in config.mass_buckets})
+        buckets = tuple((m, min(nb, max(m, math.ceil(n_union * m / n_cand)))) for m in sizes)
+    return _Plan(tile, chunk, -(-T // chunk), nb, n_cand, n_union, own, buckets)
 
 
 def hierarchical_topk_with_stats(q, w, k, top_k, config=HierarchicalConfig(), *, q_offset=0,
-                                 summaries=None, backend=None):
+                                 summaries=None, screen=None, backend=None):
     """`hierarchical_topk` plus statistics of the work done.
 
     Returns (indices i32[T, top_k], stats), stats a dict of scalars: scored_fraction
     (blocks scored exactly for a query / blocks it sees, summed over queries),
     rescored_fraction (the part scored by exact-mode refinement), rounds (most refinement
-    rounds of any query chunk), candidate_blocks and union_blocks (static sizes).
+    rounds of any query chunk), candidate_blocks and union_blocks (static sizes: the
+    maximum), kept_blocks (candidate blocks per query on average: below candidate_blocks
+    under the mass rule) and run_blocks (the candidate blocks of the bucket each chunk ran
+    at, averaged over chunks: what the fine stage cost).
     """
     return _hierarchical(q, w, k, top_k, config, q_offset=q_offset, summaries=summaries,
-                         backend=backend, with_stats=True)
+                         screen=screen, backend=backend, with_stats=True)
+
+
+def _coarse(qc, wc, summaries, screen, config, *, start, pos, backend):
+    if config.coarse == "learned":
+        return screen_block_scores(qc, wc, screen.scales, summaries,
+                                   block_size=config.block_size, q_offset=start,
+                                   q_positions=pos, backend=backend)
+    return coarse_block_scores(qc, wc, summaries, block_size=config.block_size, q_offset=start,
+                               q_positions=pos, coarse_heads=config.coarse_heads,
+                               head_select=config.coarse_head_select, backend=backend)
+
+
+def _mass_temperature(config, screen):
+    if config.coarse_temperature is not None:
+        return jnp.float32(config.coarse_temperature)
+    if screen is None:
+        return jnp.float32(1.0)
+    log_t = screen.log_temperature if config.coarse == "learned" else screen.mean_log_temperature
+    return jnp.exp(log_t)
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "config", "backend", "with_stats"))
-def _hierarchical(q, w, k, top_k, config, *, q_offset, summaries, backend, with_stats):
+def _hierarchical(q, w, k, top_k, config, *, q_offset, summaries, screen, backend, with_stats):
     if not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
     if not isinstance(config, HierarchicalConfig):
         raise TypeError(f"config must be a HierarchicalConfig, got {type(config).__name__}")
+    if config.coarse == "learned" and screen is None:
+        raise ValueError("HierarchicalConfig.coarse='learned' needs the layer's trained screen "
+                         "(screen=ScreenParams; the model passes its CoarseScreen)")
     T, H, _ = q.shape
     B = config.block_size
     plan = hierarchical_plan(config, T, k.shape[0], top_k, H)
@@ -198,39 +233,67 @@ def _hierarchical(q, w, k, top_k, config, *, q_offset, summaries, backend, with_
     wp = jnp.pad(w, ((0, pad), (0, 0))).reshape(plan.n_chunks, chunk, H)
     rows = jnp.arange(plan.n_chunks * chunk).reshape(plan.n_chunks, chunk)
     bound_blocks = min(config.bound_blocks, plan.n_cand)
+    need_scored = with_stats or config.exact
 
-    def one_chunk(args):
-        qc, wc, r = args
-        pos = jnp.where(r < T, q_offset + r, -1)
-        start = q_offset + r[0]
-        coarse = coarse_block_scores(
-            qc, wc, summaries, block_size=B, q_offset=start, q_positions=pos,
-            coarse_heads=config.coarse_heads,
-            head_select=config.coarse_head_select, backend=backend)
-        bounds = (block_upper_bounds(qc, wc, summaries, block_size=B, q_positions=pos,
-                                     backend=backend) if config.exact else None)
-        if bound_blocks and not config.exact:
-            bounds = spread_boosted_scores(coarse, qc, wc, summaries)
-        cands = select_candidate_blocks(
-            coarse, pos, plan.n_cand, block_size=B, sink_blocks=config.sink_blocks,
-            local_blocks=config.local_blocks, bound_scores=bounds if bound_blocks else None,
-            bound_blocks=bound_blocks, keep_ratio=config.coarse_keep_ratio)
-        table = sort_blocks(tile_candidate_union(cands, tile, plan.n_union, n_blocks=nb,
-                                                 bound_blocks=bound_blocks))
+    def fine_stage(qc, wc, cands, start, pos, n_cand, n_union):
+        """Fine top-k of a chunk over the first n_cand candidates of each query ->
+        (values, tokens, scored bool[chunk, nb] or None: blocks scored for each query)."""
+        cands = cands[:, :n_cand]
+        table = sort_blocks(tile_candidate_union(cands, tile, n_union, n_blocks=nb,
+                                                 bound_blocks=min(bound_blocks, n_cand)))
         cands = sort_blocks(cands)  # token order: ties go to the lower token, as in flat
         slots = table_slots(table, cands, tile, nb) if plan.own else None
         values, tokens = fine_topk(
             qc, wc, k, table, top_k, block_size=B, q_offset=start,
             candidates=cands if plan.own else None, slots=slots,
             fast_ranking=config.fast_ranking and not config.exact, backend=backend)
-        if not (with_stats or config.exact):
-            return jnp.where(values > -jnp.inf, tokens, -1), jnp.zeros(3, jnp.int32), 0
+        if not need_scored:
+            return values, tokens, jnp.zeros((chunk, nb), bool)
         # Blocks scored exactly for each query: its own candidates found in the table, or
         # the whole table of its tile.
         rows_ = jnp.arange(chunk)[:, None]
         listed = jnp.where(slots >= 0, cands, nb) if plan.own else table[rows_[:, 0] // tile]
         listed = jnp.where(listed >= 0, listed, nb)
         scored = jnp.zeros((chunk, nb), bool).at[rows_, listed].set(True, mode="drop")
+        return values, tokens, scored
+
+    def one_chunk(args):
+        qc, wc, r = args
+        pos = jnp.where(r < T, q_offset + r, -1)
+        start = q_offset + r[0]
+        coarse = _coarse(qc, wc, summaries, screen, config, start=start, pos=pos,
+                         backend=backend)
+        bounds = (block_upper_bounds(qc, wc, summaries, block_size=B, q_positions=pos,
+                                     backend=backend) if config.exact else None)
+        if bound_blocks and not config.exact:
+            bounds = spread_boosted_scores(coarse, qc, wc, summaries)
+        keep = None
+        if plan.buckets:
+            forced = forced_blocks(pos, nb, block_size=B, sink_blocks=config.sink_blocks,
+                                   local_blocks=config.local_blocks)
+            keep = mass_budget(coarse, _mass_temperature(config, screen), config.coarse_mass,
+                               forced)
+        cands = select_candidate_blocks(
+            coarse, pos, plan.n_cand, block_size=B, sink_blocks=config.sink_blocks,
+            local_blocks=config.local_blocks, bound_scores=bounds if bound_blocks else None,
+            bound_blocks=bound_blocks, keep_ratio=config.coarse_keep_ratio, keep_blocks=keep)
+        kept = jnp.sum((cands >= 0) & (pos >= 0)[:, None])
+        run = plan.n_cand
+        if plan.buckets:
+            # The chunk runs at the smallest bucket that holds every query's kept blocks.
+            cands = compact_blocks(cands)
+            sizes = jnp.asarray([m for m, _ in plan.buckets])
+            need = jnp.max(jnp.sum(cands >= 0, axis=1))
+            branch = jnp.minimum(jnp.sum(sizes < need), len(plan.buckets) - 1)
+            values, tokens, scored = jax.lax.switch(
+                branch, [functools.partial(fine_stage, n_cand=m, n_union=u)
+                         for m, u in plan.buckets], qc, wc, cands, start, pos)
+            run = sizes[branch]
+        else:
+            values, tokens, scored = fine_stage(qc, wc, cands, start, pos, plan.n_cand,
+                                                plan.n_union)
+        if not need_scored:
+            return jnp.where(values > -jnp.inf, tokens, -1), jnp.zeros(5, jnp.int32), 0
         seen = visible_blocks(pos, summaries, B)
         n_initial = jnp.sum(scored & seen)
         rounds = jnp.int32(0)
@@ -239,23 +302,25 @@ def _hierarchical(q, w, k, top_k, config, *, q_offset, summaries, backend, with_
                 qc, wc, k, bounds, values, tokens, scored, q_offset=start, block_size=B,
                 query_tile=tile, refine_blocks=config.refine_blocks, backend=backend)
         tokens = jnp.where(values > -jnp.inf, tokens, -1).astype(jnp.int32)
-        counts = jnp.stack([n_initial, jnp.sum(scored & seen), jnp.sum(seen)])
+        counts = jnp.stack([n_initial, jnp.sum(scored & seen), jnp.sum(seen), kept,
+                            jnp.int32(run)]).astype(jnp.int32)
         return tokens, counts, rounds
 
     tokens, counts, rounds = jax.lax.map(one_chunk, (qp, wp, rows))
     tokens = tokens.reshape(plan.n_chunks * chunk, top_k)[:T]
     if not with_stats:
         return tokens
-    initial, scored, seen = jnp.sum(counts, axis=0).astype(jnp.float32)
+    initial, scored, seen, kept = jnp.sum(counts[:, :4], axis=0).astype(jnp.float32)
     seen = jnp.maximum(seen, 1.0)
     stats = dict(scored_fraction=scored / seen, rescored_fraction=(scored - initial) / seen,
                  rounds=jnp.max(rounds), candidate_blocks=plan.n_cand,
-                 union_blocks=plan.n_union)
+                 union_blocks=plan.n_union, kept_blocks=kept / T,
+                 run_blocks=jnp.mean(counts[:, 4].astype(jnp.float32)))
     return tokens, stats
 
 
 def hierarchical_topk(q, w, k, top_k, config=HierarchicalConfig(), *, q_offset=0,
-                      summaries=None, backend=None):
+                      summaries=None, screen=None, backend=None):
     """Top_k keys per query by coarse-to-fine block selection -> i32[T, top_k].
 
     Same contract as `flat_topk` (best first; -1 where fewer than top_k tokens are visible;
@@ -265,7 +330,8 @@ def hierarchical_topk(q, w, k, top_k, config=HierarchicalConfig(), *, q_offset=0
     equals flat top_k as sets (ties aside); otherwise it is flat top_k restricted to each
     query's candidate blocks. Raises ValueError when top_k is not a positive int,
     config.candidate_tokens < top_k, config.coarse_heads > H_I or summaries hold fewer
-    blocks than the keys need; TypeError when config is not a HierarchicalConfig.
+    blocks than the keys need, or config.coarse is "learned" without `screen` (the layer's
+    indexer.coarse_screen.ScreenParams); TypeError when config is not a HierarchicalConfig.
     """
     return _hierarchical(q, w, k, top_k, config, q_offset=q_offset, summaries=summaries,
-                         backend=backend, with_stats=False)
+                         screen=screen, backend=backend, with_stats=False)

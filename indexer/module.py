@@ -3,6 +3,7 @@
 import jax.numpy as jnp
 from flax import nnx
 
+from indexer.coarse_screen import ScreenParams, untrained_screen
 from indexer.rope import apply_partial_rope
 
 
@@ -35,3 +36,25 @@ class LightningIndexer(nnx.Module):
         k = apply_partial_rope(self.k_norm(self.wk(x)), positions, self.rope_dim, **rope)
         w = self.ww(x).astype(jnp.float32) * (self.heads**-0.5 * self.dim**-0.5)
         return q, w, k
+
+
+class ScreenParam(nnx.Variable):
+    """A coarse-screen parameter. Not an nnx.Param on purpose: the model's training and its
+    checkpoints (which take nnx.Param) leave the screen alone; it is distilled afterwards
+    with the model frozen and stored in its own file (model.coarse_screen_file)."""
+
+
+class CoarseScreen(nnx.Module):
+    """One layer's learned coarse screen (indexer.coarse_screen): per-head, per-dimension
+    scales of the indexer's queries against block features [mean | max | min], and the
+    temperatures of its block distribution. Initialised to the mean screen, temperatures 1."""
+
+    def __init__(self, heads, dim):
+        init = untrained_screen(heads, dim)
+        self.scales = ScreenParam(init.scales)
+        self.log_temperature = ScreenParam(init.log_temperature)
+        self.mean_log_temperature = ScreenParam(init.mean_log_temperature)
+
+    def params(self):
+        return ScreenParams(self.scales[...], self.log_temperature[...],
+                            self.mean_log_temperature[...])

@@ -31,7 +31,8 @@ def dense_causal_attention(q, k, v, *, q_offset=0, scale=None, return_head_sum=F
     return out, p / jnp.sum(p, axis=-1, keepdims=True)
 
 
-def select_tokens(config, q_index, w_index, k_index, *, q_offset, summaries=None, layer=None):
+def select_tokens(config, q_index, w_index, k_index, *, q_offset, summaries=None, layer=None,
+                  screen=None):
     """The indexer's top_k selection for queries at q_offset.. -> i32[T, top_k] (-1 padded).
 
     k_index: [L, d_I], the indexer-key cache up to a length bucket (positions past the
@@ -41,7 +42,9 @@ def select_tokens(config, q_index, w_index, k_index, *, q_offset, summaries=None
     them from k_index), or "window" (the query and the top_k - 1 tokens before it, most
     recent first: sliding-window attention with no indexer scoring, the baseline that
     measures what selection costs). layer: the layer's index, for config.flat_index_layers
-    (None: the selection config.indexer names).
+    and config.layer_candidate_tokens (None: the selection config.indexer names, the shared
+    budget). screen: the layer's trained coarse screen (indexer.ScreenParams), used when
+    config.hierarchical.coarse is "learned" or its mass rule reads the screen's temperature.
     """
     kind = config.indexer if layer is None else config.layer_indexer(layer)
     if kind == "window":
@@ -51,8 +54,9 @@ def select_tokens(config, q_index, w_index, k_index, *, q_offset, summaries=None
     if kind == "flat":
         return flat_topk(q_index, w_index, k_index, config.top_k, q_offset=q_offset)
     if kind == "hierarchical":
-        return hierarchical_topk(q_index, w_index, k_index, config.top_k, config.hierarchical,
-                                 q_offset=q_offset, summaries=summaries)
+        return hierarchical_topk(q_index, w_index, k_index, config.top_k,
+                                 config.layer_hierarchical(layer), q_offset=q_offset,
+                                 summaries=summaries, screen=screen)
     raise ValueError(f"ModelConfig.indexer must be 'flat', 'hierarchical' or 'window', "
                      f"got {config.indexer!r}")
 

@@ -8,6 +8,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from model.coarse_screen_file import (
+    SCREEN_FILE,
+    has_coarse_screen,
+    load_coarse_screen,
+    reset_coarse_screens,
+)
 from model.config import ModelConfig
 
 # Fields that fix the weights' shapes or meaning. The rest (attention, indexer, top_k,
@@ -91,8 +97,23 @@ def restore_checkpoint(directory, config=None, *, step=None, extra_target=None):
         step = mngr.latest_step() if step is None else step
         restored = mngr.restore(step, args=ocp.args.Composite(**items))
     nnx.replace_by_pure_dict(params, restored["state"])
-    model = nnx.merge(graphdef, params, rest)
+    model = reset_coarse_screens(nnx.merge(graphdef, params, rest))
+    attach_coarse_screen(model, directory)
     return model, metadata, restored.get("extra") if extra_target is not None else None
+
+
+def attach_coarse_screen(model, directory):
+    """Loads DIR's trained coarse screens into `model` when DIR has them (see
+    model.coarse_screen_file) -> whether it did; ValueError when the model's config asks
+    for the learned screen (hierarchical.coarse = "learned") and DIR has none."""
+    if has_coarse_screen(directory):
+        load_coarse_screen(directory, model)
+        return True
+    if model.config.hierarchical.coarse == "learned":
+        raise ValueError(f"hierarchical.coarse='learned' needs trained coarse screens, and "
+                         f"{directory} has no {SCREEN_FILE}: train them with `python -m "
+                         f"experiments.training.coarse_screen` or use coarse='mean'")
+    return False
 
 
 # ---------------------------------------------------------------- the shipped checkpoint

@@ -25,7 +25,9 @@ class ModelConfig(FrozenConfig):
     dense_layers: layers that keep dense attention when attention="sparse" (their indexer
     still runs, so its keys stay cached and trainable). tie_embeddings: the output
     projection is the token embedding's transpose (Llama-family checkpoints such as
-    SmolLM2). Invalid values raise ValueError naming the field and the allowed range.
+    SmolLM2). layer_candidate_tokens: per-layer hierarchical budgets in tokens (one per
+    layer; empty: hierarchical's shared budget). Invalid values raise ValueError naming
+    the field and the allowed range.
     """
 
     vocab_size: int = 259
@@ -51,6 +53,7 @@ class ModelConfig(FrozenConfig):
     indexer: str = "flat"
     flat_index_layers: tuple[int, ...] = ()
     dense_layers: tuple[int, ...] = ()
+    layer_candidate_tokens: tuple[int, ...] = ()
     tie_embeddings: bool = False
     prefill_chunk: int = 1024
     dtype: str = "float32"
@@ -103,6 +106,15 @@ class ModelConfig(FrozenConfig):
                 raise ValueError(f"ModelConfig.{name} must be distinct layer indices in "
                                  f"[0, n_layers - 1 = {self.n_layers - 1}], got {layers!r}")
             object.__setattr__(self, name, tuple(sorted(layers)))  # hashable
+        per_layer = self.layer_candidate_tokens
+        if not isinstance(per_layer, (tuple, list)) or (per_layer and (
+                len(per_layer) != self.n_layers or any(
+                    isinstance(t, bool) or not isinstance(t, int) or t < self.top_k
+                    for t in per_layer))):
+            raise ValueError(f"ModelConfig.layer_candidate_tokens must be empty (the shared "
+                             f"hierarchical budget) or {self.n_layers} ints (one per layer), "
+                             f"each >= top_k ({self.top_k}), got {per_layer!r}")
+        object.__setattr__(self, "layer_candidate_tokens", tuple(per_layer))
         budget = self.hierarchical.candidate_tokens
         if self.indexer == "hierarchical" and budget is not None and budget < self.top_k:
             raise ValueError(f"ModelConfig.hierarchical.candidate_tokens must be >= top_k "
@@ -120,6 +132,14 @@ class ModelConfig(FrozenConfig):
     def layer_indexer(self, layer):
         """The selection layer `layer` runs: "flat" for flat_index_layers, else `indexer`."""
         return "flat" if layer in self.flat_index_layers else self.indexer
+
+    def layer_hierarchical(self, layer):
+        """The HierarchicalConfig layer `layer` runs: `hierarchical` with the layer's own
+        candidate budget when layer_candidate_tokens names one."""
+        if layer is None or not self.layer_candidate_tokens:
+            return self.hierarchical
+        return self.hierarchical.replace(candidate_tokens=self.layer_candidate_tokens[layer],
+                                         coarse_keep_ratio=None)
 
     def to_json(self):
         return json.dumps(self.to_dict(), sort_keys=True)

@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from model import sharding
 from model.sampling import sample_token, validate_sampling
+from model.sequence_parallel import SequenceParallel
 from model.transformer import check_capture, init_cache
 
 MIN_BUCKET = 256
@@ -59,25 +61,63 @@ class ModelRunner:
     (`jax.tree.map(jnp.copy, cache)`) to reuse it.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, *, mesh=None):
+        """mesh: None (one device, or the mesh of an enclosing model.sharding.use_mesh), or
+        a model.sharding mesh: parameters and caches are placed by model.sharding's rules
+        (tensor parallel: the same step, partitioned by XLA) and, when its "sequence" axis
+        is > 1, sparse layers attend through model.sequence_parallel (the cache split over
+        positions). ValueError when the tensor axis does not divide the heads or the MLP."""
         self.config = model.config
         self.graphdef, self.state = nnx.split(model)
+        mesh = sharding.current_mesh() if mesh is None else mesh
+        self.mesh, self.parallel = mesh, None
+        if mesh is not None:
+            sharding.check_mesh(self.config, mesh)
+            self.state = sharding.shard_state(self.state, mesh)
+            if sharding.axis_size(mesh, "sequence") > 1:
+                self.parallel = SequenceParallel(mesh)
 
         def step(state, tokens, cache, start, kv_len, n_valid, all_logits, capture):
             model = nnx.merge(self.graphdef, state)
+            tokens = self._constrain_tokens(tokens)
             # Rows past n_valid are padding: kept out of the block summaries.
-            out = model(tokens, cache, start, kv_len, n_valid=n_valid, capture=capture)
+            out = model(tokens, cache, start, kv_len, n_valid=n_valid, capture=capture,
+                        parallel=self.parallel)
             logits, cache = out[0], out[1]
             # Per-layer lists -> arrays with a leading layer axis.
             captured = {kind: jax.tree.map(lambda *xs: jnp.stack(xs), *values)
                         for kind, values in out[2].items()} if capture else {}
             if not all_logits:
-                logits = logits[n_valid - 1]
-            return logits, cache, captured
+                logits = self._last_row(logits, n_valid)
+            return self._replicated(logits), cache, self._replicated(captured)
 
         self._step = jax.jit(step, static_argnames=("kv_len", "all_logits", "capture"),
                              donate_argnames=("cache",))
         self._batch_step = None  # decode_batch's jitted step, built on first use
+
+    def _constrain_tokens(self, tokens):
+        """A chunk's tokens split over the sequence axis (so are its activations, by
+        propagation: projections and MLP run on T / S rows per device)."""
+        if self.mesh is None or tokens.shape[0] % sharding.axis_size(self.mesh, "sequence"):
+            return tokens
+        return jax.lax.with_sharding_constraint(
+            tokens, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(
+                "sequence")))
+
+    def _last_row(self, logits, n_valid):
+        """logits[n_valid - 1]; under a mesh as a masked sum (exact: one non-zero term), so
+        the sequence-split rows reduce to one [V] row instead of being gathered whole."""
+        if self.mesh is None:
+            return logits[n_valid - 1]
+        rows = jnp.arange(logits.shape[0])[:, None]
+        return jnp.sum(jnp.where(rows == n_valid - 1, logits, 0.0), axis=0)
+
+    def _replicated(self, tree):
+        """Outputs every process can read (jax.distributed: np.asarray needs them whole)."""
+        if self.mesh is None:
+            return tree
+        whole = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, whole), tree)
 
     def compile_prefill(self, n, *, capacity=None, chunk=None, start=0, logits_from=None,
                         capture=(), capture_from=None):
@@ -86,7 +126,10 @@ class ModelRunner:
         chunk, capture, capture_from, logits_from = self._check(n, chunk, start, capture,
                                                                 capture_from, logits_from)
         cap = length_bucket(capacity or (start + n))
-        cache = jax.eval_shape(lambda: init_cache(self.config, cap))
+        if self.mesh is not None:
+            cache = sharding.cache_shapes(self.config, cap, self.mesh)
+        else:
+            cache = jax.eval_shape(lambda: init_cache(self.config, cap))
         seen = set()
         for c in chunk_plan(n, start=start, capacity=cap, chunk=chunk):
             key = (c.padded, c.kv_len, *self._chunk_outputs(c, logits_from, capture,
@@ -121,10 +164,17 @@ class ModelRunner:
         all_logits = logits_from is not None and end > logits_from
         return all_logits, capture if capture and end > capture_from else ()
 
+    def _host(self, tokens):
+        """Token ids as the step takes them: a device array on one device; a host (numpy)
+        array under a mesh, which jit places on the mesh (the same on every process)."""
+        return np.asarray(tokens) if self.mesh is not None else jnp.asarray(tokens)
+
     def new_cache(self, capacity):
         if capacity > self.config.max_seq_len:
             raise ValueError(f"context of {capacity} tokens exceeds max_seq_len="
                              f"{self.config.max_seq_len}")
+        if self.mesh is not None:
+            return sharding.init_sharded_cache(self.config, length_bucket(capacity), self.mesh)
         return init_cache(self.config, length_bucket(capacity))
 
     def prefill(self, tokens, *, cache=None, capacity=None, chunk=None, start=0,
@@ -154,7 +204,7 @@ class ModelRunner:
             padded = np.zeros(c.padded, np.int32)
             padded[:c.length] = tokens[c.offset:c.offset + c.length]
             all_logits, kinds = self._chunk_outputs(c, logits_from, capture, capture_from)
-            out, cache, got = self._step(self.state, jnp.asarray(padded), cache, c.position,
+            out, cache, got = self._step(self.state, self._host(padded), cache, c.position,
                                          c.kv_len, c.length, all_logits, kinds)
             if all_logits:
                 logits.append(out[max(0, logits_from - c.position):c.length])
@@ -175,8 +225,8 @@ class ModelRunner:
         if position >= cap:
             raise ValueError(f"cache holds {cap} positions, decode at position {position}")
         kv_len = min(cap, length_bucket(position + 1))
-        logits, cache, _ = self._step(self.state, jnp.asarray([token], jnp.int32), cache,
-                                      position, kv_len, 1, False, ())
+        logits, cache, _ = self._step(self.state, self._host(np.asarray([token], np.int32)),
+                                      cache, position, kv_len, 1, False, ())
         return logits, cache
 
     def generate(self, prompt, max_new_tokens, *, temperature=0.0, top_p=1.0, seed=0,

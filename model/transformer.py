@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
-from indexer import BlockSummaryCache, LightningIndexer
+from indexer import BlockSummaryCache, CoarseScreen, LightningIndexer
 from indexer.block_summaries import append as append_summaries
 from indexer.block_summaries import empty_summaries, num_blocks
 from model.attention import Attention, dense_causal_attention, select_tokens
@@ -97,10 +97,13 @@ class DecoderBlock(nnx.Module):
                                         config.index_rope_dim, rope_theta=config.rope_theta,
                                         rope_scaling=config.indexer_rope_scaling, dtype=dtype,
                                         rngs=rngs)
+        # The hierarchical indexer's learned coarse screen (HierarchicalConfig.coarse =
+        # "learned"); present in every block, so run-time switches never change the graph.
+        self.coarse_screen = CoarseScreen(config.index_heads, config.index_dim)
         self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.d_ff, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cache, start, kv_len, n_valid=None, capture=()):
+    def __call__(self, x, cache, start, kv_len, n_valid=None, capture=(), parallel=None):
         """x: [T, d_model] at positions start.. ; keys read from cache[:kv_len].
 
         Returns (x_out, new_cache, captured): captured maps each kind in `capture` (see
@@ -108,7 +111,9 @@ class DecoderBlock(nnx.Module):
         positions past start + T inside it hold stale or zero entries, which the causal
         mask hides. n_valid (traced is fine): only the first n_valid rows are real tokens
         (a padded prefill chunk); the rest are written to the key caches (later
-        overwritten) but kept out of the block summaries. Default T.
+        overwritten) but kept out of the block summaries. Default T. parallel: None, or a
+        model.sequence_parallel.SequenceParallel whose sparse_attention replaces this
+        layer's selection + sparse attention (a sequence-sharded cache; same results).
         """
         T = x.shape[0]
         positions = start + jnp.arange(T)
@@ -116,21 +121,33 @@ class DecoderBlock(nnx.Module):
         q, k, v = self.attn.project(h, positions)
         # The indexer learns only from its own loss (DSA): its input is detached.
         q_index, w_index, k_index = self.indexer(jax.lax.stop_gradient(h), positions)
+        if parallel is not None:  # every shard scores every key: all-gather the new ones
+            k_index = parallel.replicate(k_index)
         k_index_cache = _write(cache.k_index, k_index, start)
         summaries = cache.summaries
         if summaries is not None:
             summaries = append_summaries(
                 summaries, k_index, start, block_size=self.config.hierarchical.block_size,
                 n_valid=n_valid, keys=k_index_cache)
-        cache = LayerCache(_write(cache.k, k, start), _write(cache.v, v, start), k_index_cache,
-                           summaries)
+        if parallel is None:
+            k_cache, v_cache = _write(cache.k, k, start), _write(cache.v, v, start)
+        else:  # the cache is split over positions: each shard writes its own rows
+            k_cache, v_cache = parallel.write_kv(cache.k, cache.v, k, v, start)
+        cache = LayerCache(k_cache, v_cache, k_index_cache, summaries)
         captured = {}
         if "indexer" in capture:
             captured["indexer"] = IndexerInputs(q_index, w_index, k_index)
         keys, values = cache.k[:kv_len], cache.v[:kv_len]
-        if self.config.layer_is_sparse(self.layer):
+        if self.config.layer_is_sparse(self.layer) and parallel is not None:
+            out, indices = parallel.sparse_attention(self.config, self.layer, q, q_index,
+                                                     w_index, cache, start, kv_len,
+                                                     screen=self.coarse_screen.params())
+            if "indices" in capture:
+                captured["indices"] = indices
+        elif self.config.layer_is_sparse(self.layer):
             indices = select_tokens(self.config, q_index, w_index, cache.k_index[:kv_len],
-                                    q_offset=start, summaries=summaries, layer=self.layer)
+                                    q_offset=start, summaries=summaries, layer=self.layer,
+                                    screen=self.coarse_screen.params())
             out = pallas_kernels.sparse_attention(q, keys, values, indices)
             if "indices" in capture:
                 captured["indices"] = indices
@@ -147,12 +164,12 @@ class DecoderBlock(nnx.Module):
         return x, cache, captured
 
 
-def _block_call(block, x, cache, start, kv_len, n_valid, capture):
-    return block(x, cache, start, kv_len, n_valid, capture)
+def _block_call(block, x, cache, start, kv_len, n_valid, capture, parallel):
+    return block(x, cache, start, kv_len, n_valid, capture, parallel)
 
 
 # Rematerialised block for training memory: one block's activations alive at a time.
-_remat_block_call = nnx.remat(_block_call, static_argnums=(4, 6))
+_remat_block_call = nnx.remat(_block_call, static_argnums=(4, 6, 7))
 
 
 class Transformer(nnx.Module):
@@ -168,13 +185,16 @@ class Transformer(nnx.Module):
                                       dtype=dtype, kernel_init=nnx.initializers.lecun_normal(),
                                       rngs=rngs)
 
-    def __call__(self, tokens, cache, start, kv_len, n_valid=None, *, capture=(), remat=False):
+    def __call__(self, tokens, cache, start, kv_len, n_valid=None, *, capture=(), remat=False,
+                 parallel=None):
         """tokens: i32[T] at positions start..start+T-1 -> (logits f32[T, V], new cache), or
         (logits, new cache, captured) when `capture` names kinds (CAPTURE_KINDS): captured
         maps each kind to a list over layers.
 
         n_valid: the first n_valid tokens are real, the rest padding (default T).
         remat: rematerialise each block in the backward pass (training memory).
+        parallel: None, or a model.sequence_parallel.SequenceParallel (sharded prefill and
+        decode over a mesh's sequence axis; see model.runner.ModelRunner(mesh=)).
         """
         kinds = check_capture(self.config, capture)
         call = _remat_block_call if remat else _block_call
@@ -183,7 +203,7 @@ class Transformer(nnx.Module):
         captured = {kind: [] for kind in kinds}
         for layer, layer_cache in zip(self.layers, cache):
             x, layer_cache, layer_captured = call(layer, x, layer_cache, start, kv_len, n_valid,
-                                                  kinds)
+                                                  kinds, parallel)
             new_cache.append(layer_cache)
             for kind in kinds:
                 captured[kind].append(layer_captured[kind])

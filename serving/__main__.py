@@ -1,8 +1,13 @@
 """python -m serving [--config FILE] [--model NAME|PATH] [--port N] [--host H] [--api-key K]
+    [--mesh AXIS=N,...] [--coordinator-address HOST:PORT --num-processes N --process-id I]
 
 Serves the shipped model by default (`--model tiny`: a random, UNTRAINED tiny model for
 tests and development; `--model smollm2-135m` or a path: a pretrained model). The server
 listens at once; /health answers 503 until the model is loaded and compiled.
+
+With --mesh the model runs sharded over the mesh's devices; with several processes
+(--num-processes N, each run with the same flags and its own --process-id), process 0
+serves HTTP and the others replay its engine steps (serving.follower, docs/sharding.md).
 """
 
 import argparse
@@ -23,7 +28,44 @@ def parse_args(argv):
     parser.add_argument("--host")
     parser.add_argument("--api-key", help="require this Bearer token (default: $DOSA_API_KEY)")
     parser.add_argument("--max-context", type=int, help="override the config's max_context")
+    # model.sharding.add_parallel_arguments' flags, spelled out: importing `model` here
+    # would import JAX (and configure logging) before main() sets either up.
+    parser.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                        help="device mesh, axes data, sequence, tensor (e.g. sequence=2,"
+                             "tensor=2; product = every device of every process); default: "
+                             "one device")
+    parser.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                        help="jax.distributed coordinator (default $JAX_COORDINATOR_ADDRESS)")
+    parser.add_argument("--num-processes", type=int, default=None,
+                        help="processes in the job (default $JAX_NUM_PROCESSES, else 1); "
+                             "process 0 serves HTTP, the others follow it (needs --mesh)")
+    parser.add_argument("--process-id", type=int, default=None,
+                        help="this process's rank (default $JAX_PROCESS_ID)")
     return parser.parse_args(argv)
+
+
+def check_parallel_flags(args):
+    """Validates --mesh and the jax.distributed flags without starting JAX -> number of
+    processes. ValueError naming the flag: malformed values, or several processes without
+    a --mesh (their devices must form one mesh)."""
+    from model.sharding import distributed_settings, parse_mesh
+
+    _, processes, _ = distributed_settings(args.coordinator_address, args.num_processes,
+                                           args.process_id)
+    if args.mesh is not None:
+        parse_mesh(args.mesh)
+    elif processes > 1:
+        raise ValueError(f"--num-processes={processes} needs --mesh (e.g. sequence="
+                         f"{processes}): the processes' devices serve as one mesh")
+    return processes
+
+
+def serving_mesh(args):
+    """jax.distributed.initialize (several processes) and the mesh of --mesh -> Mesh or None
+    (one device). ValueError when the mesh does not match the devices of every process."""
+    from model.sharding import mesh_from_args
+
+    return mesh_from_args(args)
 
 
 def main(argv=None):
@@ -45,13 +87,25 @@ def main(argv=None):
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax"):  # orbax's restore and JAX's backend probing, at INFO
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    from serving.server import serve
-    from serving.service import Service
+    try:
+        check_parallel_flags(args)
+        mesh = serving_mesh(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    import jax
 
     if config.model == "tiny":
         logging.getLogger("serving").warning("--model tiny: RANDOM, UNTRAINED weights "
                                              "(tests and development only)")
-    return serve(Service(config), host=config.host, port=config.port)
+    if jax.process_index() != 0:  # a follower: no HTTP, replays process 0's engine calls
+        from serving.follower import run_follower
+
+        return run_follower(config, mesh)
+    from serving.server import serve
+    from serving.service import Service
+
+    return serve(Service(config, mesh=mesh), host=config.host, port=config.port)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import pathlib
 
 import yaml
 
-from indexer.config import FrozenConfig
+from indexer.config import COARSE_KINDS, FrozenConfig
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "default.yaml"
 ATTENTION_KINDS = ("sparse", "dense")
@@ -31,6 +31,11 @@ class ServingConfig(FrozenConfig):
     coarse_threshold (COARSE_THRESHOLD): fraction of the visible key blocks the hierarchical
       indexer's coarse stage keeps (HierarchicalConfig.coarse_keep_ratio); candidate_tokens:
       the alternative budget in tokens. Set at most one of them.
+    coarse: the hierarchical indexer's coarse scorer, "mean" or "learned" (the trained
+      coarse screen shipped beside the model; HierarchicalConfig.coarse).
+    coarse_mass: the adaptive budget (HierarchicalConfig.coarse_mass): each query keeps the
+      fewest best blocks holding this much of the screen's softmax mass; COARSE_THRESHOLD or
+      candidate_tokens is then the maximum.
     fine_batch_size (FINE_BATCH_SIZE): queries scored per fine step of the hierarchical indexer.
     cache_size (CACHE_SIZE): prefix-cache entries (blocks of cache_block_tokens prompt tokens);
       cache_bytes: its byte budget; LRU evicts past either. 0 disables the cache.
@@ -56,6 +61,8 @@ class ServingConfig(FrozenConfig):
     top_k: int | None = None
     coarse_threshold: float | None = None
     candidate_tokens: int | None = None
+    coarse: str | None = None
+    coarse_mass: float | None = None
     fine_batch_size: int | None = None
     cache_size: int = 4096
     cache_bytes: int = 2 << 30
@@ -110,6 +117,9 @@ class ServingConfig(FrozenConfig):
         if self.coarse_threshold is not None and self.candidate_tokens is not None:
             raise ValueError("serving config: set at most one of coarse_threshold "
                              "(COARSE_THRESHOLD) and candidate_tokens, got both")
+        if self.coarse is not None and self.coarse not in COARSE_KINDS:
+            fail("coarse", f"null or one of {COARSE_KINDS}")
+        check_number("coarse_mass", 0.0, 1.0, lo_open=True, optional=True)
         check_int("fine_batch_size", 1, optional=True)
         check_int("cache_size", 0)
         check_int("cache_bytes", 0)
@@ -137,6 +147,9 @@ class ServingConfig(FrozenConfig):
             hierarchical.update(candidate_tokens=self.candidate_tokens, coarse_keep_ratio=None)
         if self.fine_batch_size is not None:
             hierarchical["fine_batch_size"] = self.fine_batch_size
+        for name in ("coarse", "coarse_mass"):
+            if getattr(self, name) is not None:
+                hierarchical[name] = getattr(self, name)
         if hierarchical:
             out["hierarchical"] = hierarchical
         return out

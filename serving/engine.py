@@ -5,6 +5,12 @@ Every method runs on the scheduler's worker thread (never on the event loop). Sl
 hold `capacity` = length_bucket(max_context) positions each, so every request's cache has
 one shape: one set of compiled prefill steps and one batched decode step per key-length
 bucket, all compiled by `warmup` before the server reports ready.
+
+On a mesh (Engine(..., mesh=...)) the runner is sharded and every cache the engine makes is
+placed by model.sharding's rules: prefill caches and prefix copies by `cache_specs`, the
+decode slots by `cache_specs(batched=True)`; what the host reads (sampled tokens, the
+prefix cache's copies) comes back replicated, so every process of a jax.distributed job can
+read it. Several processes must run the same calls in the same order: serving.follower.
 """
 
 import dataclasses
@@ -14,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import LayerCache, ModelRunner, init_cache, length_bucket
+from model import LayerCache, ModelRunner, init_cache, length_bucket, sharding
 from model.sampling import sample_token
 from serving.prefix_cache import Block
 
@@ -27,12 +33,19 @@ SUMMARY_FIELDS = ("sum", "count", "min", "max", "radius")
 EMPTY_SUMMARY = dict(sum=0.0, count=0, min=np.inf, max=-np.inf, radius=np.inf)
 
 
-@jax.jit
-def sample_batch(logits, seeds, steps, temperatures, top_ps):
+def _sample_batch(logits, seeds, steps, temperatures, top_ps):
     """logits f32[S, V] -> i32[S]; sequence i samples with key fold_in(key(seed_i), step_i),
     so a seeded request draws the same tokens whatever else shares its batch."""
     keys = jax.vmap(lambda s, t: jax.random.fold_in(jax.random.key(s), t))(seeds, steps)
     return jax.vmap(sample_token)(logits, keys, temperatures, top_ps)
+
+
+sample_batch = jax.jit(_sample_batch)
+
+
+def _sample_first(logits, seeds, steps, temperatures, top_ps):
+    """sample_batch of one sequence's logits f32[V] -> i32[1]."""
+    return _sample_batch(logits[None], seeds, steps, temperatures, top_ps)
 
 
 def _put_slot(slots, cache, index):
@@ -73,9 +86,14 @@ class Prefill:
 
 
 class Engine:
-    def __init__(self, model, *, max_context, slots, prefill_chunk=None, prefix_cache=None):
+    def __init__(self, model, *, max_context, slots, prefill_chunk=None, prefix_cache=None,
+                 mesh=None):
+        """mesh: None (one device) or a model.sharding mesh. ValueError when the mesh does
+        not fit the model (tensor axis vs heads), the cache (sequence axis vs capacity) or
+        the decode slots (data axis)."""
         self.config = model.config
-        self.runner = ModelRunner(model)
+        self.mesh = mesh
+        self.runner = ModelRunner(model, mesh=mesh)
         self.max_context = max_context
         self.capacity = length_bucket(max_context)
         self.n_slots = slots
@@ -88,11 +106,39 @@ class Engine:
         # Every cache handed to a jitted step is committed to the device, as the steps'
         # outputs are (with committed weights): jit keys its compiled programs on it, and a
         # fresh uncommitted cache would miss the warm-up's programs and compile again.
-        self.device = jax.devices()[0]
+        if mesh is None:
+            self.device = jax.devices()[0]
+            self.reset_slots()
+            self._put_slot = jax.jit(_put_slot, donate_argnums=0)
+            self._take_prefix = jax.jit(_take_prefix, static_argnums=(1, 2))
+            self._with_prefix = jax.jit(self._cache_with_prefix, static_argnums=(1, 2))
+            self._sample, self._sample_one, self._xp = sample_batch, None, jnp
+            return
+        self._init_mesh(mesh)
+
+    def _init_mesh(self, mesh):
+        """The jitted copies with their outputs placed on `mesh`: caches by the rules, what
+        the host reads replicated (np.asarray needs every value on every process)."""
+        sharding.check_capacity(mesh, self.capacity)
+        data = sharding.axis_size(mesh, "data")
+        if self.n_slots % data:
+            raise ValueError(f"serving config: decode_slots ({self.n_slots}) must be a multiple "
+                             f"of the mesh's data={data} (--mesh)")
+        self.device = None
+        whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        one = jax.eval_shape(lambda: init_cache(self.config, self.capacity))
+        batched = jax.eval_shape(lambda: self._empty_slots())
+        self._cache_shardings = sharding.named(mesh, sharding.cache_specs(one))
+        self._slot_shardings = sharding.named(mesh, sharding.cache_specs(batched, batched=True))
         self.reset_slots()
-        self._put_slot = jax.jit(_put_slot, donate_argnums=0)
-        self._take_prefix = jax.jit(_take_prefix, static_argnums=(1, 2))
-        self._with_prefix = jax.jit(self._cache_with_prefix, static_argnums=(1, 2))
+        self._put_slot = jax.jit(_put_slot, donate_argnums=0, out_shardings=self._slot_shardings)
+        self._take_prefix = jax.jit(_take_prefix, static_argnums=(1, 2), out_shardings=whole)
+        self._with_prefix = jax.jit(self._cache_with_prefix, static_argnums=(1, 2),
+                                    out_shardings=self._cache_shardings)
+        # Sampling inputs go in as host arrays (placed by jit, the same on every process).
+        self._sample = jax.jit(_sample_batch, out_shardings=whole)
+        self._sample_one = jax.jit(_sample_first, out_shardings=whole)
+        self._xp = np
 
     # ------------------------------------------------------------------ prefill
 
@@ -122,7 +168,11 @@ class Engine:
 
     def first_token(self, state, sampling):
         """Samples the first generated token of a finished prefill."""
-        token = sample_batch(state.logits[None], *self._sampling_arrays([sampling], [0]))
+        arrays = self._sampling_arrays([sampling], [0])
+        if self.mesh is None:
+            token = sample_batch(state.logits[None], *arrays)
+        else:  # no eager op on a global array: the [None] goes inside the jitted step
+            token = self._sample_one(state.logits, *arrays)
         return int(np.asarray(token)[0])
 
     def cache_prompt(self, state):
@@ -161,16 +211,42 @@ class Engine:
             # Padding blocks read as empty summaries; padded positions are overwritten by
             # the prefill before anything reads them.
             prefix[name] = np.pad(joined, pad, constant_values=EMPTY_SUMMARY.get(name, 0))
-        return self._with_prefix(self._commit(prefix), padded, self.capacity)
+        return self._with_prefix(self._commit_prefix(prefix), padded, self.capacity)
 
     def _commit(self, tree):
         return jax.device_put(tree, self.device)
 
+    def _commit_prefix(self, prefix):
+        """Host prefix fields {name: [n_layers, padded, ...]} onto the device, or onto the
+        mesh: K/V split as the cache's rules say (each device takes only its slice), the
+        indexer keys and summaries whole, like the cache they go into."""
+        if self.mesh is None:
+            return self._commit(prefix)
+        sp = sharding.axis_size(self.mesh, "sequence")
+        specs = {}
+        for name, array in prefix.items():
+            axes = sharding.CACHE_AXES.get(name) if name in TOKEN_FIELDS else None
+            if axes is None or array.shape[1] % sp:
+                axes = (None,) * (array.ndim - 1)
+            specs[name] = sharding.logical_to_spec((None, *axes))
+        return sharding.put(prefix, sharding.named(self.mesh, specs))
+
     def _fresh_cache(self):
+        if self.mesh is not None:  # created on its shardings (model.sharding)
+            return self.runner.new_cache(self.max_context)
         return self._commit(self.runner.new_cache(self.max_context))
 
+    def _empty_slots(self):
+        """Empty decode-slot caches [n_slots, ...] (runner.new_batch_cache's values)."""
+        return jax.tree.map(lambda a: jnp.broadcast_to(a, (self.n_slots, *a.shape)),
+                            init_cache(self.config, self.capacity))
+
     def reset_slots(self):
-        """Empty decode slots (at start, and after a failed step consumed them)."""
+        """Empty decode slots (at start, and after a failed step consumed them); on a mesh
+        created directly on their shardings (no device holds them whole)."""
+        if self.mesh is not None:
+            self.slots = jax.jit(self._empty_slots, out_shardings=self._slot_shardings)()
+            return
         self.slots = self._commit(self.runner.new_batch_cache(self.n_slots, self.max_context))
 
     def _prefix_shapes(self, padded):
@@ -210,15 +286,17 @@ class Engine:
             tokens[slot], positions[slot] = token, position
             sampling[slot], steps[slot] = params, step
         logits, self.slots = self.runner.decode_batch(tokens, self.slots, positions)
-        out = np.asarray(sample_batch(logits, *self._sampling_arrays(sampling, steps)))
+        out = np.asarray(self._sample(logits, *self._sampling_arrays(sampling, steps)))
         return {slot: int(out[slot]) for slot in batch}
 
-    @staticmethod
-    def _sampling_arrays(sampling, steps):
-        return (jnp.asarray([s.seed % (1 << 31) for s in sampling], jnp.uint32),
-                jnp.asarray(steps, jnp.int32),
-                jnp.asarray([float(s.temperature) for s in sampling], jnp.float32),
-                jnp.asarray([float(s.top_p) for s in sampling], jnp.float32))
+    def _sampling_arrays(self, sampling, steps):
+        """(seeds u32[S], steps i32[S], temperatures f32[S], top_ps f32[S]): device arrays on
+        one device, host arrays on a mesh."""
+        xp = self._xp
+        return (xp.asarray([s.seed % (1 << 31) for s in sampling], xp.uint32),
+                xp.asarray(steps, xp.int32),
+                xp.asarray([float(s.temperature) for s in sampling], xp.float32),
+                xp.asarray([float(s.top_p) for s in sampling], xp.float32))
 
     # ------------------------------------------------------------------ warm-up
 
@@ -258,6 +336,6 @@ class Engine:
                 self._take_prefix(scratch.cache, padded, block)
                 zeros = {name: np.zeros(a.shape, a.dtype)
                          for name, a in self._prefix_shapes(padded).items()}
-                self._with_prefix(self._commit(zeros), padded, self.capacity)
+                self._with_prefix(self._commit_prefix(zeros), padded, self.capacity)
         self.insert(0, scratch)
         return len(kv_buckets)

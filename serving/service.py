@@ -21,9 +21,12 @@ class Service:
     is kept on the event loop's thread.
     """
 
-    def __init__(self, config, *, loader=None):
+    def __init__(self, config, *, loader=None, mesh=None):
+        """mesh: None (one device) or a model.sharding mesh; when it spans several
+        processes this is process 0, and its engine leads the others (serving.follower)."""
         self.config = config
         self._loader = loader
+        self.mesh = mesh
         self.state = LOADING
         self.error = None
         self.loaded = self.engine = self.scheduler = self.metrics = None
@@ -56,35 +59,16 @@ class Service:
             self._ready.set()
 
     def _build(self):
-        from serving.engine import Engine
-        from serving.loading import load_model
         from serving.metrics import Metrics
-        from serving.prefix_cache import PrefixCache
         from serving.scheduler import Scheduler
 
         cfg = self.config
-        t0 = time.perf_counter()
-        if self._loader is not None:
-            loaded = self._loader()
-        else:
-            loaded = load_model(cfg.model, cfg.model_overrides())
+        engine, loaded, max_context = build_engine(cfg, self.mesh, loader=self._loader)
         model_config = loaded.model.config
-        max_context = cfg.max_context
-        if max_context > model_config.max_seq_len:
-            log.warning("max_context %d is past the model's max_seq_len %d: serving %d",
-                        max_context, model_config.max_seq_len, model_config.max_seq_len)
-            max_context = model_config.max_seq_len
-        log.info("loaded %s in %.1f s: %s", loaded.model_id, time.perf_counter() - t0,
-                 loaded.description)
-        cache = PrefixCache(cfg.cache_block_tokens, max_blocks=cfg.cache_size,
-                            max_bytes=cfg.cache_bytes)
-        engine = Engine(loaded.model, max_context=max_context, slots=cfg.decode_slots,
-                        prefill_chunk=cfg.prefill_chunk, prefix_cache=cache)
-        warm = max_context if cfg.warmup_max_context is None else cfg.warmup_max_context
-        t0 = time.perf_counter()
-        buckets = engine.warmup(min(warm, max_context))
-        log.info("warm-up: compiled %d key-length buckets up to %d tokens in %.1f s", buckets,
-                 min(warm, max_context), time.perf_counter() - t0)
+        if _process_count(self.mesh) > 1:  # every engine call is replayed by the followers
+            from serving.follower import Leader
+
+            engine = Leader(engine)
         self.model_id = cfg.model_version or loaded.model_id
         metrics = Metrics(self.model_id, indexer_label(model_config))
         scheduler = Scheduler(engine, metrics, batching_window_s=cfg.batching_window_ms / 1000)
@@ -104,6 +88,8 @@ class Service:
     def stop(self):
         if self.scheduler is not None:
             self.scheduler.stop()
+        if hasattr(self.engine, "shutdown"):  # a Leader: end the followers' loops
+            self.engine.shutdown()
 
     # ------------------------------------------------------------------ per request
 
@@ -137,6 +123,44 @@ class Service:
 
     def release(self):
         self.active -= 1
+
+
+def build_engine(cfg, mesh=None, *, loader=None):
+    """Loads the model, builds the Engine (on `mesh`) and warms it up -> (engine, loaded,
+    max_context). Every process of a sharded server runs this, in the same order: the
+    warm-up's steps are collectives on a mesh that spans processes."""
+    from serving.engine import Engine
+    from serving.loading import load_model
+    from serving.prefix_cache import PrefixCache
+
+    t0 = time.perf_counter()
+    loaded = loader() if loader is not None else load_model(cfg.model, cfg.model_overrides())
+    model_config = loaded.model.config
+    max_context = cfg.max_context
+    if max_context > model_config.max_seq_len:
+        log.warning("max_context %d is past the model's max_seq_len %d: serving %d",
+                    max_context, model_config.max_seq_len, model_config.max_seq_len)
+        max_context = model_config.max_seq_len
+    log.info("loaded %s in %.1f s: %s", loaded.model_id, time.perf_counter() - t0,
+             loaded.description)
+    cache = PrefixCache(cfg.cache_block_tokens, max_blocks=cfg.cache_size,
+                        max_bytes=cfg.cache_bytes)
+    engine = Engine(loaded.model, max_context=max_context, slots=cfg.decode_slots,
+                    prefill_chunk=cfg.prefill_chunk, prefix_cache=cache, mesh=mesh)
+    warm = max_context if cfg.warmup_max_context is None else cfg.warmup_max_context
+    t0 = time.perf_counter()
+    buckets = engine.warmup(min(warm, max_context))
+    log.info("warm-up: compiled %d key-length buckets up to %d tokens in %.1f s%s", buckets,
+             min(warm, max_context), time.perf_counter() - t0,
+             "" if mesh is None else f" on mesh {dict(mesh.shape)}")
+    return engine, loaded, max_context
+
+
+def _process_count(mesh):
+    """Processes whose devices `mesh` spans (1 without a mesh)."""
+    if mesh is None:
+        return 1
+    return len({d.process_index for d in mesh.devices.flat})
 
 
 def indexer_label(config):

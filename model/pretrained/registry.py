@@ -15,6 +15,7 @@ import sys
 import tempfile
 import zipfile
 
+from model.checkpoint import attach_coarse_screen
 from model.pretrained.gguf_file import GGUFCheckpoint
 from model.pretrained.indexer_weights import (
     has_indexer_weights,
@@ -185,4 +186,8 @@ def load_pretrained(name_or_path, *, dtype="float32", indexer_dir="default", see
     model = build_transformer(config, checkpoint.read, source=path, seed=seed)
     if indexer_dir is not None:
         load_indexer_weights(indexer_dir, model)
+        info["coarse_screen"] = attach_coarse_screen(model, indexer_dir)
+    elif model.config.hierarchical.coarse == "learned":
+        raise ValueError("hierarchical.coarse='learned' needs a trained indexer and its coarse "
+                         "screens (indexer_dir)")
     return Pretrained(model, checkpoint.tokenizer(), info)

@@ -20,6 +20,10 @@ def test_default_config_loads_with_the_reference_key_spellings():
                                  "GPU_UTILIZATION": 0.5, "indexer": "hierarchical"})
     assert upper.model_overrides() == {"indexer": "hierarchical", "hierarchical": dict(
         coarse_keep_ratio=0.8, candidate_tokens=None, fine_batch_size=64)}
+    adaptive = config_from_mapping({"coarse": "learned", "coarse_mass": 0.9,
+                                    "candidate_tokens": 4096})
+    assert adaptive.model_overrides() == {"hierarchical": dict(
+        candidate_tokens=4096, coarse_keep_ratio=None, coarse="learned", coarse_mass=0.9)}
 
 
 @pytest.mark.parametrize("data,says", [
@@ -27,6 +31,8 @@ def test_default_config_loads_with_the_reference_key_spellings():
     ({"coarse_threshold": 1.5}, "coarse_threshold must be null or a number in (0, 1]"),
     ({"attention": "sparse-ish"}, "attention must be null or one of"),
     ({"indexer": "tree"}, "indexer must be null or one of"),
+    ({"coarse": "max"}, "coarse must be null or one of ('mean', 'learned')"),
+    ({"coarse_mass": 0}, "coarse_mass must be null or a number in (0, 1]"),
     ({"gpu_utilization": 0}, "gpu_utilization must be a number in (0, 1]"),
     ({"batching_window_ms": -1}, "batching_window_ms must be a number in [0"),
     ({"coarse_threshold": 0.5, "candidate_tokens": 512}, "at most one of coarse_threshold"),

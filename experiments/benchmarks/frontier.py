@@ -1,0 +1,237 @@
+"""The recall-speed frontier of the hierarchical indexer on a trained model's own inputs:
+every coarse scorer and budget rule side by side in one run, against flat.
+
+    python -m experiments.benchmarks.frontier [--lengths 16384,32768] [--out DIR]
+    python -m experiments.benchmarks.frontier --model smollm2-135m --lengths 16384,32768
+
+For each length L the model reads L held-out tokens (experiments.model_source) and its own
+prefill (sparse, flat selection: as deployed) captures every layer's indexer queries and
+weights for the last --queries positions and the whole key cache. Per layer, timed
+interleaved after a compile-only warm-up (medians of --repeats): flat top-k, then for each
+coarse scorer (`mean`; `learned` when the model has trained screens; model.coarse_screen_file)
+and each budget rule:
+
+- fixed: candidate_tokens in --budgets (the static budget);
+- mass: coarse_mass in --masses, at most --mass-max tokens (the adaptive rule, at the
+  screen's fitted temperature; each chunk of queries runs at the smallest of the
+  --mass-buckets that holds its largest need, so speed follows the need);
+- ratio: coarse_keep_ratio in --ratios (the reference's COARSE_THRESHOLD).
+
+Recall is against flat top-k on the same inputs, averaged over layers; speedup is the sum
+over layers of flat time over hierarchical time. ceiling: the best recall any choice of that
+many blocks reaches (indexer.block_recall_ceiling), per fixed budget; mass and ratio rows
+give the candidate blocks they kept and ran at. Writes OUT/frontier.json, OUT/frontier.md,
+OUT/frontier.png (--out, default runs/frontier/).
+"""
+
+import argparse
+import pathlib
+import platform
+import shlex
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import indexer
+from experiments.benchmarks.support import jit_block_summaries, median_interleaved
+from experiments.common import (
+    add_out_argument,
+    enable_compile_cache,
+    machine_description,
+    write_json,
+)
+from experiments.data import eval_sequence, model_indexer_inputs
+from experiments.model_source import load_source
+from model.coarse_screen_file import has_coarse_screen
+
+
+def variants(base, args, methods):
+    """{name: (method, rule, knob value, HierarchicalConfig)} of every run."""
+    out = {}
+    for method in methods:
+        cfg = base.replace(coarse=method, coarse_mass=None, exact=False)
+        for tokens in args.budgets:
+            out[f"{method}/fixed/{tokens}"] = (method, "fixed", tokens,
+                                               cfg.replace(candidate_tokens=tokens))
+        for mass in args.masses:
+            out[f"{method}/mass/{mass}"] = (method, "mass", mass, cfg.replace(
+                candidate_tokens=args.mass_max, coarse_mass=mass,
+                mass_buckets=tuple(args.mass_buckets)))
+        for ratio in args.ratios:
+            out[f"{method}/ratio/{ratio}"] = (method, "ratio", ratio, cfg.replace(
+                candidate_tokens=None, coarse_keep_ratio=ratio))
+    return out
+
+
+def bench_layer(q, w, k, top_k, q_offset, runs, screen, args):
+    """One layer -> {"flat_s", run name: {time_s, recall, kept_blocks, run_blocks}}."""
+    summaries = jax.block_until_ready(jit_block_summaries(k, block_size=args.block_size))
+    fns = {"flat": lambda: indexer.flat_topk(q, w, k, top_k, q_offset=q_offset,
+                                             query_chunk=args.flat_chunk)}
+    for name, (_, _, _, cfg) in runs.items():
+        fns[name] = (lambda c: lambda: indexer.hierarchical_topk(
+            q, w, k, top_k, c, q_offset=q_offset, summaries=summaries, screen=screen))(cfg)
+    outs = {name: np.asarray(jax.block_until_ready(fn())) for name, fn in fns.items()}
+    times = median_interleaved(fns, args.repeats)
+    flat = outs["flat"]
+    res = {"flat_s": times["flat"]}
+    for name, (_, _, _, cfg) in runs.items():
+        _, stats = indexer.hierarchical_topk_with_stats(q, w, k, top_k, cfg, q_offset=q_offset,
+                                                       summaries=summaries, screen=screen)
+        res[name] = dict(time_s=times[name], recall=indexer.recall(outs[name], flat),
+                         kept_blocks=float(stats["kept_blocks"]),
+                         run_blocks=float(stats["run_blocks"]))
+    res["ceiling"] = {t: indexer.block_recall_ceiling(flat, -(-t // args.block_size),
+                                                      args.block_size) for t in args.budgets}
+    return res
+
+
+def summarize(L, per_layer, runs):
+    flat_s = sum(r["flat_s"] for r in per_layer)
+    rows = []
+    for name, (method, rule, knob, _cfg) in runs.items():
+        hier_s = sum(r[name]["time_s"] for r in per_layer)
+        rows.append(dict(
+            name=name, method=method, rule=rule, knob=knob, length=L, hierarchical_s=hier_s,
+            speedup=flat_s / hier_s,
+            recall=float(np.mean([r[name]["recall"] for r in per_layer])),
+            recall_per_layer=[r[name]["recall"] for r in per_layer],
+            kept_blocks=float(np.mean([r[name]["kept_blocks"] for r in per_layer])),
+            run_blocks=float(np.mean([r[name]["run_blocks"] for r in per_layer])),
+            ceiling=(float(np.mean([r["ceiling"][knob] for r in per_layer]))
+                     if rule == "fixed" else None)))
+    return dict(length=L, flat_s=flat_s, rows=rows)
+
+
+def markdown(result):
+    lines = [f"Recall-speed frontier: {result['model']}, last {result['queries']} queries, "
+             f"top_k {result['top_k']}, blocks of {result['block_size']}; speedup = flat time "
+             f"/ hierarchical time summed over {result['layers']} layers, recall vs flat "
+             f"(mean over layers). {result['machine']}.", "",
+             "| L | scorer | rule | knob | speedup | recall | ceiling | blocks kept / run |",
+             "|---|---|---|---|---|---|---|---|"]
+    for length in result["lengths"]:
+        for r in length["rows"]:
+            ceiling = f"{r['ceiling']:.4f}" if r["ceiling"] is not None else ""
+            lines.append(f"| {r['length']} | {r['method']} | {r['rule']} | {r['knob']} | "
+                         f"{r['speedup']:.2f}x | {r['recall']:.4f} | {ceiling} | "
+                         f"{r['kept_blocks']:.1f} / {r['run_blocks']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(result, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = result["lengths"]
+    fig, axes = plt.subplots(1, len(lengths), figsize=(6 * len(lengths), 4.4), squeeze=False)
+    styles = {"mean": "tab:blue", "learned": "tab:red"}
+    marks = {"fixed": "o-", "mass": "s--", "ratio": "^:"}
+    for ax, length in zip(axes[0], lengths):
+        for method in sorted({r["method"] for r in length["rows"]}):
+            for rule in ("fixed", "mass", "ratio"):
+                pts = sorted((r["recall"], r["speedup"]) for r in length["rows"]
+                              if r["method"] == method and r["rule"] == rule)
+                if pts:
+                    ax.plot(*zip(*pts), marks[rule], color=styles.get(method, "k"),
+                            label=f"{method}, {rule}")
+        fixed = [r for r in length["rows"] if r["rule"] == "fixed" and r["method"] == "mean"]
+        if fixed:  # the ceiling of each fixed budget, at that budget's measured speed
+            ax.plot([r["ceiling"] for r in fixed], [r["speedup"] for r in fixed], "k*",
+                    label="ceiling (best blocks, mean-screen speed)")
+        ax.set_xlabel("recall vs flat top-k")
+        ax.set_ylabel("indexer speedup vs flat")
+        ax.set_title(f"{result['model']}, L = {length['length']}", fontsize=10)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_list(kind):
+    def parse(text):
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, metavar="NAME|PATH",
+                   help="a pretrained model with its warmed indexer (default: the shipped one)")
+    p.add_argument("--checkpoint", default=None, help="the shipped model's folder")
+    p.add_argument("--lengths", type=parse_list(int), default=[16384, 32768])
+    p.add_argument("--queries", type=int, default=1024)
+    p.add_argument("--budgets", type=parse_list(int), default=None,
+                   help="fixed budgets in tokens (default: 2, 4, 8, 16, 32 x top_k)")
+    p.add_argument("--masses", type=parse_list(float), default=[0.5, 0.7, 0.8, 0.9, 0.95])
+    p.add_argument("--mass-max", type=int, default=None,
+                   help="the mass rule's maximum budget in tokens (default: 16 x top_k)")
+    p.add_argument("--mass-buckets", type=parse_list(float), default=[0.125, 0.25, 0.5, 1.0],
+                   help="fractions of --mass-max the mass rule's chunks can run at")
+    p.add_argument("--ratios", type=parse_list(float), default=[0.05, 0.1, 0.2])
+    p.add_argument("--methods", type=parse_list(str), default=None,
+                   help="coarse scorers (default: mean, and learned when trained screens "
+                        "exist)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--flat-chunk", type=int, default=128)
+    add_out_argument(p, "frontier")
+    args = p.parse_args(argv)
+    if args.queries < 1 or args.repeats < 1 or not args.lengths:
+        p.error("--queries and --repeats must be >= 1 and --lengths non-empty")
+    if any(not 0 < m <= 1 for m in args.masses) or any(not 0 < r <= 1 for r in args.ratios):
+        p.error("--masses and --ratios must be in (0, 1]")
+    enable_compile_cache()
+    t0 = time.monotonic()
+    source = load_source(model_name=args.model, checkpoint=args.checkpoint,
+                         max_length=max(args.lengths), attention="sparse", indexer="flat")
+    model = source.model
+    top_k, base = model.config.top_k, model.config.hierarchical
+    args.block_size = base.block_size
+    args.budgets = args.budgets or [top_k * f for f in (2, 4, 8, 16, 32)]
+    if min(args.budgets) < top_k:
+        p.error(f"--budgets must be >= top_k ({top_k})")
+    args.mass_max = args.mass_max or 16 * top_k
+    trained = has_coarse_screen(source.directory)
+    methods = args.methods or (["mean", "learned"] if trained else ["mean"])
+    if "learned" in methods and not trained:
+        p.error(f"{source.directory} has no trained coarse screens: run python -m "
+                f"experiments.training.coarse_screen first")
+    runs = variants(base, args, methods)
+    result = dict(command="python -m experiments.benchmarks.frontier " + shlex.join(
+        sys.argv[1:] if argv is None else argv), model=source.name, top_k=top_k,
+        block_size=base.block_size, queries=args.queries, layers=model.config.n_layers,
+        machine=machine_description(), python=platform.python_version(),
+        jax=jax.__version__, base_config=base.to_dict(), lengths=[])
+    for L in args.lengths:
+        n = min(args.queries, L)
+        layers = model_indexer_inputs(model, eval_sequence(source.heldout_tokens, L), n)
+        print(f"L={L}: indexer inputs of {len(layers)} layers captured "
+              f"({time.monotonic() - t0:.0f} s)", flush=True)
+        per_layer = []
+        for i, (q, w, k) in enumerate(layers):
+            screen = model.layers[i].coarse_screen.params()
+            per_layer.append(bench_layer(jnp.asarray(q), jnp.asarray(w), jnp.asarray(k), top_k,
+                                         L - n, runs, screen, args))
+            print(f"  layer {i} done ({time.monotonic() - t0:.0f} s)", flush=True)
+        result["lengths"].append(summarize(L, per_layer, runs))
+    result["wall_s"] = round(time.monotonic() - t0, 1)
+    text = markdown(result)
+    print(text)
+    out = pathlib.Path(args.out)
+    write_json(out / "frontier.json", result)
+    (out / "frontier.md").write_text(text + "\n\nCommand: `" + result["command"] + "`\n")
+    plot(result, out / "frontier.png")
+    print(f"wrote {out}/frontier.json, frontier.md, frontier.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""Sequence-parallel sparse attention: the hook a sparse layer takes when a mesh splits the
+sequence (model.runner.ModelRunner(model, mesh=...) with mesh "sequence" > 1).
+
+Layout: the KV cache is split along positions over the "sequence" axis (shard s owns
+positions [s * C / S, (s + 1) * C / S)); indexer keys and block summaries are replicated
+(written from the chunk's all-gathered new keys, so every shard scores every earlier
+token). Inside one shard_map over the mesh, per sparse layer:
+  1. selection: each sequence shard selects the top_k tokens of its own queries (flat or
+     hierarchical, over the replicated indexer keys), in zigzag order for causal balance
+     (shard s takes query pieces s and 2S - 1 - s of the chunk), then the indices are
+     all-gathered (T x top_k int32);
+  2. distributed sparse attention: every shard computes, for all T queries of the chunk,
+     softmax partials over the selected tokens *it owns* (a pmax of the row maxima, then
+     psums of the exp-sums and the weighted values): the KV rows never move, only
+     T x H x (Dv + 1) partials do.
+Heads stay split over "tensor" throughout (query head h reads kv head h // (H / H_kv), so
+contiguous head shards line up with contiguous kv-head shards).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from model.attention import select_tokens
+
+try:  # jax >= 0.7 (the 0.11 GPU hosts and 0.12 here) export it at the top level.
+    _shard_map = jax.shard_map
+except AttributeError:  # pragma: no cover - older jax: the experimental one, check_rep
+    from jax.experimental.shard_map import shard_map as _old_shard_map
+
+    def _shard_map(f, *, mesh, in_specs, out_specs, check_vma=True):
+        return _old_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                              check_rep=check_vma)
+
+
+def query_split(T, shards, tile=1):
+    """How a chunk of T queries is split for selection -> (kind, piece length).
+
+    "zigzag": 2 * shards pieces, shard s takes pieces s and 2 * shards - 1 - s;
+    "contiguous": shard s takes piece s; "replicated": every shard selects all T (decode,
+    or chunks too small to split). Pieces are whole multiples of `tile` (the hierarchical
+    selector's query tile), so each query ranks the same candidates as on one device.
+    """
+    if shards > 1:
+        for kind, n in (("zigzag", 2 * shards), ("contiguous", shards)):
+            if T % n == 0 and (T // n) % tile == 0:
+                return kind, T // n
+    return "replicated", T
+
+
+def partial_attention(q, k_local, v_local, indices, base, *, scale=None):
+    """Unnormalised softmax pieces over the selected tokens one shard owns.
+
+    q: [T, H, D]; k_local: [C_s, H_kv, D], v_local: [C_s, H_kv, Dv], the shard's cache
+    rows (positions base .. base + C_s - 1); indices: i32[T, K] global positions (-1 =
+    none). -> logits f32[T, H_kv, H / H_kv, K] (-inf where the token is not owned or not
+    selected) and the gathered values f32[T, K, H_kv, Dv].
+    """
+    T, H, D = q.shape
+    C_s, H_kv, _ = k_local.shape
+    scale = D**-0.5 if scale is None else scale
+    local = indices - base
+    owned = (indices >= 0) & (local >= 0) & (local < C_s)
+    safe = jnp.where(owned, local, 0)
+    qg = q.reshape(T, H_kv, H // H_kv, D)
+    logits = jnp.einsum("tgrd,tkgd->tgrk", qg, k_local[safe],
+                        preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(owned[:, None, None, :], logits, -jnp.inf)
+    return logits, v_local[safe].astype(jnp.float32)
+
+
+def combine_partials(logits, values, axis, *, scatter=False):
+    """Softmax over the union of every shard's tokens: a pmax of the row maxima, then sums
+    over the axis. logits f32[T, G, R, K], values f32[T, K, G, Dv] -> f32[T, G * R, Dv]
+    (0 where a row has no token anywhere); scatter=True: a reduce-scatter instead of a psum,
+    each shard keeping its contiguous T / shards rows (half the traffic of a psum)."""
+    row_max = jax.lax.pmax(jnp.max(logits, axis=-1, keepdims=True), axis)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+    p = jnp.exp(logits - row_max)
+    if scatter:
+        def reduce(x):
+            return jax.lax.psum_scatter(x, axis, scatter_dimension=0, tiled=True)
+    else:
+        def reduce(x):
+            return jax.lax.psum(x, axis)
+    denom = reduce(jnp.sum(p, axis=-1, keepdims=True))
+    out = reduce(jnp.einsum("tgrk,tkgd->tgrd", p, values))
+    out = out / jnp.where(denom > 0, denom, 1.0)
+    T, G, R, Dv = out.shape
+    return out.reshape(T, G * R, Dv)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceParallel:
+    """Run-time setting passed to Transformer.__call__ (`parallel=`): the mesh and the
+    names of its sequence and tensor axes. Hashable (a static jit argument)."""
+
+    mesh: Mesh
+    sequence_axis: str = "sequence"
+    tensor_axis: str = "tensor"
+
+    @property
+    def shards(self):
+        return int(self.mesh.shape[self.sequence_axis])
+
+    def replicate(self, x):
+        """x whole on every device (the chunk's new indexer keys [T, d_I]: the key cache
+        and block summaries are replicated, so each shard appends them locally)."""
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P()))
+
+    def write_kv(self, k_cache, v_cache, k_new, v_new, start):
+        """The chunk's keys and values written into the sequence-split cache: each shard
+        stores the rows that fall in its positions (a plain dynamic_update_slice on a split
+        axis would make GSPMD gather the whole cache first).
+
+        k_cache, v_cache: [C, H_kv, D] split over (sequence, tensor); k_new, v_new:
+        [T, H_kv, D] at positions start..start+T-1 -> (k_cache, v_cache)."""
+        seq, ten = self.sequence_axis, self.tensor_axis
+
+        def body(k_local, v_local, k_new, v_new, start):
+            C_s = k_local.shape[0]
+            rows = start + jnp.arange(k_new.shape[0]) - jax.lax.axis_index(seq) * C_s
+            rows = jnp.where((rows >= 0) & (rows < C_s), rows, C_s)  # C_s: dropped
+            return (k_local.at[rows].set(k_new.astype(k_local.dtype), mode="drop"),
+                    v_local.at[rows].set(v_new.astype(v_local.dtype), mode="drop"))
+
+        kv_spec, new_spec = P(seq, ten, None), P(None, ten, None)
+        fn = _shard_map(body, mesh=self.mesh, in_specs=(kv_spec, kv_spec, new_spec, new_spec,
+                                                        P()),
+                        out_specs=(kv_spec, kv_spec), check_vma=False)
+        return fn(k_cache, v_cache, k_new, v_new, jnp.asarray(start, jnp.int32))
+
+    def sparse_attention(self, config, layer, q, q_index, w_index, cache, start, kv_len,
+                         screen=None):
+        """A sparse layer's selection and attention over a sequence-sharded cache.
+
+        q: [T, H, D] (RoPE applied); q_index [T, H_I, d_I], w_index [T, H_I]; cache: the
+        layer's LayerCache with this chunk already written (k, v [C, H_kv, D] split over
+        the sequence axis; k_index [C, d_I] and summaries replicated); start: position of
+        query 0; kv_len: static, keys [0, kv_len) are visible; screen: the layer's coarse
+        screen (indexer.ScreenParams, replicated) or None. -> (out [T, H, Dv] in q's
+        dtype, indices i32[T, top_k]), equal to the single-device path.
+        """
+        T = q.shape[0]
+        S, seq, ten = self.shards, self.sequence_axis, self.tensor_axis
+        kind = config.layer_indexer(layer)
+        tile = min(config.hierarchical.query_tile, T) if kind == "hierarchical" else 1
+        split, piece = query_split(T, S, tile)
+        summaries = cache.summaries
+        n_sum = 0 if summaries is None else len(summaries)
+        # screen only when given: select_tokens takes it as a keyword when it is used.
+        extra = {} if screen is None else {"screen": screen}
+
+        def body(q, q_index, w_index, k_index, k_local, v_local, start, *rest):
+            sums = type(summaries)(*rest[:n_sum]) if n_sum else None
+            kw = {"screen": type(screen)(*rest[n_sum:])} if extra else {}
+            s = jax.lax.axis_index(seq)
+
+            def select(offset, n):
+                rows = (jax.lax.dynamic_slice_in_dim(q_index, offset, n, 0),
+                        jax.lax.dynamic_slice_in_dim(w_index, offset, n, 0))
+                return select_tokens(config, *rows, k_index, q_offset=start + offset,
+                                     summaries=sums, layer=layer, **kw)
+
+            if split == "replicated":
+                indices = select(0, T)
+            elif split == "contiguous":
+                indices = jax.lax.all_gather(select(s * piece, piece), seq, tiled=True)
+            else:
+                mine = jnp.concatenate([select(s * piece, piece),
+                                        select((2 * S - 1 - s) * piece, piece)])
+                got = jax.lax.all_gather(mine, seq)  # [S, 2 * piece, K]: pieces s, 2S-1-s
+                K = got.shape[-1]
+                indices = jnp.concatenate([got[:, :piece].reshape(-1, K),
+                                           got[::-1, piece:].reshape(-1, K)])
+            base = s * k_local.shape[0]
+            logits, values = partial_attention(q, k_local, v_local, indices, base)
+            out = combine_partials(logits, values, seq, scatter=scatter)
+            return out.astype(q.dtype), indices
+
+        # Split output rows (reduce-scatter) when they divide: activations are split too.
+        scatter = T % S == 0
+        kv_spec = P(seq, ten, None)
+        args = (q, q_index, w_index, cache.k_index[:kv_len], cache.k, cache.v,
+                jnp.asarray(start, jnp.int32))
+        specs = (P(None, ten, None), P(), P(), P(), kv_spec, kv_spec, P())
+        for group in ((summaries,) if n_sum else ()) + ((screen,) if extra else ()):
+            args += tuple(group)
+            specs += (P(),) * len(group)
+        # check_vma=False: the selection may run Pallas kernels (GPU), which carry no
+        # varying-manual-axes annotations.
+        fn = _shard_map(body, mesh=self.mesh, in_specs=specs,
+                        out_specs=(P(seq if scatter else None, ten, None), P()),
+                        check_vma=False)
+        return fn(*args)

@@ -1,0 +1,332 @@
+"""Device meshes and logical-axis sharding rules for parameters, caches and activations.
+
+A mesh has three named axes (MESH_AXES): "data" (independent sequences: serving slots),
+"sequence" (positions of one long sequence: its KV cache and a prefill chunk's queries)
+and "tensor" (attention heads and the MLP's hidden dimension). Every array dimension gets
+a *logical* name (LOGICAL_AXES); LOGICAL_RULES maps each name to a mesh axis or None
+(replicated). Tensor parallelism is GSPMD: the jitted step of model.runner with
+NamedSharding'd parameters and caches. Sequence parallelism adds one hook inside the
+sparse layers (model.sequence_parallel).
+
+Replicated on purpose: the indexer's weights, keys and block summaries (every query scores
+every earlier token, and a selection computed identically on every device needs no
+exchange; d_I values per token are a small fraction of the KV rows), norms, embedding
+and lm_head.
+"""
+
+import re
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ("data", "sequence", "tensor")
+
+# Logical dimension name -> mesh axis (None: replicated).
+LOGICAL_RULES = {
+    "batch": "data",            # serving slots
+    "cache_seq": "sequence",    # positions of the KV cache
+    "act_seq": "sequence",      # the queries (tokens) of a prefill chunk
+    "heads": "tensor",          # query heads (flattened heads x head_dim in kernels)
+    "kv_heads": "tensor",       # key/value heads
+    "mlp": "tensor",            # the MLP's hidden dimension d_ff
+    "embed": None,              # d_model
+    "vocab": None,
+    "head_dim": None,
+    "index_heads": None,        # the indexer stays whole on every device (see above)
+    "index_dim": None,
+    "index_cache_seq": None,    # indexer keys: replicated, all-gathered as written
+    "blocks": None,             # block summaries: replicated
+}
+
+# Parameter path (regex over "a/b/c") -> logical axes of the array (None: replicated,
+# any rank); first match wins.
+PARAM_RULES = (
+    (r"attn/wq/kernel$", ("embed", "heads")),
+    (r"attn/w[kv]/kernel$", ("embed", "kv_heads")),
+    (r"attn/wo/kernel$", ("heads", "embed")),
+    (r"mlp/(gate|up)/kernel$", ("embed", "mlp")),
+    (r"mlp/down/kernel$", ("mlp", "embed")),
+    (r"indexer/wq/kernel$", ("embed", "index_heads")),
+    (r"indexer/wk/kernel$", ("embed", "index_dim")),
+    (r"indexer/ww/kernel$", ("embed", "index_heads")),
+    (r"indexer/k_norm/(scale|bias)$", ("index_dim",)),
+    (r"(attn_norm|mlp_norm|final_norm)/scale$", ("embed",)),
+    (r"embed/embedding$", ("vocab", "embed")),
+    (r"lm_head/kernel$", ("embed", "vocab")),
+    # The hierarchical indexer's learned coarse screen: small, whole on every device, of
+    # whatever rank (None: replicated).
+    (r"coarse_screen/", None),
+)
+
+# Cache field -> logical axes (one sequence's LayerCache; a batched cache adds "batch").
+CACHE_AXES = {
+    "k": ("cache_seq", "kv_heads", "head_dim"),
+    "v": ("cache_seq", "kv_heads", "head_dim"),
+    "k_index": ("index_cache_seq", "index_dim"),
+    "summaries": ("blocks",),  # every field: blocks first, the rest replicated
+}
+
+
+def parse_mesh(text):
+    """'sequence=4,tensor=2' -> {"data": 1, "sequence": 4, "tensor": 2} (missing axes: 1).
+    ValueError naming --mesh on a malformed string, an unknown axis or a size < 1."""
+    sizes = dict.fromkeys(MESH_AXES, 1)
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"--mesh must be 'axis=size,...' with axes from {MESH_AXES}, "
+                         f"got {text!r}")
+    seen = set()
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*([a-z]+)\s*=\s*(\d+)\s*", part)
+        if not m:
+            raise ValueError(f"--mesh: {part!r} is not 'axis=size' (axes {MESH_AXES}, "
+                             f"sizes >= 1), in {text!r}")
+        axis, size = m.group(1), int(m.group(2))
+        if axis not in MESH_AXES:
+            raise ValueError(f"--mesh: unknown axis {axis!r}; allowed: {MESH_AXES}")
+        if axis in seen:
+            raise ValueError(f"--mesh: axis {axis!r} given twice in {text!r}")
+        if size < 1:
+            raise ValueError(f"--mesh: {axis} size must be >= 1, got {size}")
+        seen.add(axis)
+        sizes[axis] = size
+    return sizes
+
+
+def make_mesh(shape, devices=None):
+    """A Mesh with axes MESH_AXES (Auto axis types: GSPMD propagates shardings).
+
+    shape: a dict {axis: size} (missing axes 1) or a parse_mesh string. devices: default
+    jax.devices() (every process's devices under jax.distributed). ValueError when the
+    sizes' product is not the number of devices."""
+    sizes = parse_mesh(shape) if isinstance(shape, str) else {**dict.fromkeys(MESH_AXES, 1),
+                                                               **shape}
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"mesh: unknown axes {sorted(unknown)}; allowed: {MESH_AXES}")
+    devices = list(jax.devices() if devices is None else devices)
+    dims = tuple(int(sizes[a]) for a in MESH_AXES)
+    if int(np.prod(dims)) != len(devices):
+        raise ValueError(f"--mesh: {dict(zip(MESH_AXES, dims))} needs {int(np.prod(dims))} "
+                         f"devices, there are {len(devices)}")
+    return Mesh(np.asarray(devices).reshape(dims), MESH_AXES,
+                axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def axis_size(mesh, axis):
+    """Size of `axis` in a Mesh or a {axis: size} dict (1 when absent)."""
+    sizes = mesh if isinstance(mesh, dict) else mesh.shape
+    return int(sizes.get(axis, 1))
+
+
+def check_mesh(config, mesh):
+    """ValueError unless the tensor axis divides n_heads, n_kv_heads and d_ff (mesh: a
+    Mesh or a {axis: size} dict)."""
+    tp = axis_size(mesh, "tensor")
+    for name in ("n_heads", "n_kv_heads", "d_ff"):
+        value = getattr(config, name)
+        if value % tp:
+            allowed = [d for d in range(1, value + 1) if value % d == 0]
+            raise ValueError(f"mesh: tensor={tp} must divide ModelConfig.{name}={value}; "
+                             f"allowed tensor sizes: {allowed}")
+
+
+def check_capacity(mesh, capacity):
+    """ValueError unless the sequence axis divides the cache capacity."""
+    sp = axis_size(mesh, "sequence")
+    if capacity % sp:
+        raise ValueError(f"cache capacity ({capacity} positions) must be a multiple of the "
+                         f"mesh's sequence={sp}")
+
+
+def logical_to_spec(axes, rules=None):
+    """Logical names (None: replicated) -> PartitionSpec through LOGICAL_RULES."""
+    rules = LOGICAL_RULES if rules is None else rules
+    for a in axes:
+        if a is not None and a not in rules:
+            raise ValueError(f"unknown logical axis {a!r}; known: {sorted(rules)}")
+    return P(*(None if a is None else rules[a] for a in axes))
+
+
+def _path_str(path):
+    # GetAttrKey entries (an nnx Variable's ".value") name no module: skipped.
+    return "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path
+                    if not isinstance(p, jax.tree_util.GetAttrKey))
+
+
+def param_axes(path, ndim):
+    """Logical axes of the parameter at `path` (a pytree key path); ValueError if no rule
+    matches (every parameter must have one)."""
+    name = _path_str(path)
+    for pattern, axes in PARAM_RULES:
+        if re.search(pattern, name):
+            if axes is None:
+                return (None,) * ndim
+            if len(axes) != ndim:
+                raise ValueError(f"sharding rule {pattern!r} has {len(axes)} axes, parameter "
+                                 f"{name} has {ndim} dimensions")
+            return axes
+    raise ValueError(f"no sharding rule for parameter {name}; add one to PARAM_RULES")
+
+
+def param_specs(state):
+    """PartitionSpecs for an nnx.State (or any pytree of arrays) of model parameters."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: logical_to_spec(param_axes(path, np.ndim(x))), state)
+
+
+def cache_specs(cache, *, batched=False):
+    """PartitionSpecs for a list of LayerCache (batched: leading "batch" axis)."""
+    lead = ("batch",) if batched else ()
+
+    def layer(c):
+        summaries = None if c.summaries is None else type(c.summaries)(*(
+            logical_to_spec(lead + CACHE_AXES["summaries"] + (None,) * (f.ndim - 1 - len(lead)))
+            for f in c.summaries))
+        return type(c)(*(logical_to_spec(lead + CACHE_AXES[n]) for n in ("k", "v", "k_index")),
+                       summaries)
+
+    return [layer(c) for c in cache]
+
+
+def named(mesh, specs):
+    """PartitionSpecs -> NamedShardings on `mesh`."""
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def put(tree, shardings):
+    """Places host or single-device arrays on global shardings. Works across processes
+    (jax.distributed): each process fills its own shards from its copy, which must be the
+    same on every process."""
+    def one(x, sharding):
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
+    return jax.tree.map(one, tree, shardings)
+
+
+def shard_state(state, mesh):
+    """Model parameters (nnx.State) placed by PARAM_RULES on `mesh`."""
+    return put(state, named(mesh, param_specs(state)))
+
+
+def per_device_bytes(tree):
+    """{device id: bytes held} for a pytree of jax.Arrays (addressable shards only)."""
+    out = {}
+    for x in jax.tree.leaves(tree):
+        for shard in x.addressable_shards:
+            out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+    return out
+
+
+_MESH = []  # the use_mesh stack
+
+
+class use_mesh:  # noqa: N801 - used as a context manager, like jax's own
+    """`with use_mesh(mesh):` every ModelRunner built inside runs on `mesh` unless given
+    its own (a run-time setting for code that builds runners itself, e.g. the main job's
+    study); mesh None: one device."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def __enter__(self):
+        _MESH.append(self.mesh)
+        return self.mesh
+
+    def __exit__(self, *exc):
+        _MESH.pop()
+
+
+def current_mesh():
+    """The innermost use_mesh's mesh, or None."""
+    return _MESH[-1] if _MESH else None
+
+
+def cache_shapes(config, capacity, mesh):
+    """ShapeDtypeStructs of init_sharded_cache's result, shardings included (to compile
+    steps without allocating a cache)."""
+    from model.transformer import init_cache
+
+    shapes = jax.eval_shape(lambda: init_cache(config, capacity))
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, named(mesh, cache_specs(shapes)))
+
+
+def init_sharded_cache(config, capacity, mesh):
+    """Zeroed caches (model.transformer.init_cache) created directly on their shardings:
+    no device ever holds the whole KV cache. ValueError unless sequence divides capacity."""
+    from model.transformer import init_cache  # model.transformer never imports this module
+
+    check_capacity(mesh, capacity)
+    shapes = jax.eval_shape(lambda: init_cache(config, capacity))
+    return jax.jit(lambda: init_cache(config, capacity),
+                   out_shardings=named(mesh, cache_specs(shapes)))()
+
+
+# ---------------------------------------------------------------- several processes / hosts
+
+DISTRIBUTED_ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS",
+                   "num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID"}
+
+
+def add_parallel_arguments(parser):
+    """--mesh and the jax.distributed flags, shared by experiments.run and serving."""
+    parser.add_argument("--mesh", default=None, metavar="AXIS=N,...",
+                        help=f"device mesh, axes {', '.join(MESH_AXES)} (e.g. sequence=4,"
+                             "tensor=2; product = all devices of all processes); default: "
+                             "one device")
+    parser.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                        help="jax.distributed coordinator (process 0's host); default "
+                             "$JAX_COORDINATOR_ADDRESS")
+    parser.add_argument("--num-processes", type=int, default=None,
+                        help="processes in the job (default $JAX_NUM_PROCESSES, else 1)")
+    parser.add_argument("--process-id", type=int, default=None,
+                        help="this process's rank in [0, num-processes) "
+                             "(default $JAX_PROCESS_ID)")
+
+
+def distributed_settings(coordinator_address=None, num_processes=None, process_id=None,
+                         environ=None):
+    """(coordinator_address, num_processes, process_id), flags first, then the environment
+    (DISTRIBUTED_ENV); num_processes defaults to 1. ValueError naming the flag when
+    several processes lack a coordinator or a valid process id."""
+    import os
+
+    env = os.environ if environ is None else environ
+    address = coordinator_address or env.get(DISTRIBUTED_ENV["coordinator_address"]) or None
+    try:
+        count = int(num_processes if num_processes is not None
+                    else env.get(DISTRIBUTED_ENV["num_processes"], 1))
+        pid = process_id if process_id is not None else env.get(DISTRIBUTED_ENV["process_id"])
+        pid = None if pid is None else int(pid)
+    except ValueError as e:
+        raise ValueError(f"--num-processes / --process-id must be ints: {e}") from None
+    if count < 1:
+        raise ValueError(f"--num-processes must be >= 1, got {count}")
+    if count > 1:
+        if not address:
+            raise ValueError("--coordinator-address (or $JAX_COORDINATOR_ADDRESS) is required "
+                             f"with --num-processes={count}")
+        if pid is None or not 0 <= pid < count:
+            raise ValueError(f"--process-id must be in [0, {count - 1}] with "
+                             f"--num-processes={count}, got {pid}")
+    return address, count, pid
+
+
+def initialize_distributed(coordinator_address=None, num_processes=None, process_id=None):
+    """jax.distributed.initialize from flags or the environment, when more than one process
+    is asked for (before any other JAX call). Returns the number of processes."""
+    address, count, pid = distributed_settings(coordinator_address, num_processes, process_id)
+    if count > 1:
+        jax.distributed.initialize(coordinator_address=address, num_processes=count,
+                                   process_id=pid)
+    return count
+
+
+def mesh_from_args(args):
+    """initialize_distributed + make_mesh from add_parallel_arguments' flags -> Mesh or
+    None (no --mesh: one device). ValueError on bad flags."""
+    initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
+    return None if args.mesh is None else make_mesh(args.mesh)

@@ -1,0 +1,35 @@
+"""End-to-end: distil coarse screens for the shipped model, then its frontier benchmark."""
+
+import json
+import shutil
+
+import pytest
+
+from experiments.benchmarks import frontier
+from experiments.training import coarse_screen
+from model.checkpoint import DEFAULT_CHECKPOINT, has_checkpoint
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not has_checkpoint(DEFAULT_CHECKPOINT), reason="no shipped checkpoint")
+def test_distil_then_frontier(tmp_path):
+    ckpt = tmp_path / "small"
+    shutil.copytree(DEFAULT_CHECKPOINT, ckpt, ignore=shutil.ignore_patterns("coarse_screen*"))
+    coarse_screen.main(["--checkpoint", str(ckpt), "--out", str(ckpt), "--length", "1024",
+                        "--sequences", "1", "--queries", "128", "--steps", "5"])
+    log = json.loads((ckpt / "coarse_screen_log.json").read_text())
+    assert len(log["layers"]) == 4
+    assert all(e["train_loss_last"] < e["train_loss_first"] for e in log["layers"])
+    out = tmp_path / "frontier"
+    frontier.main(["--checkpoint", str(ckpt), "--lengths", "1000", "--queries", "64",
+                   "--budgets", "256,512", "--masses", "0.9", "--ratios", "0.5",
+                   "--repeats", "1", "--out", str(out)])
+    result = json.loads((out / "frontier.json").read_text())
+    rows = result["lengths"][0]["rows"]
+    assert {r["method"] for r in rows} == {"mean", "learned"}
+    assert {r["rule"] for r in rows} == {"fixed", "mass", "ratio"}
+    for r in rows:
+        assert 0 < r["recall"] <= 1 and r["speedup"] > 0
+        if r["rule"] == "fixed":
+            assert r["recall"] <= r["ceiling"] + 1e-9  # no block selector beats it
+    assert (out / "frontier.png").stat().st_size > 0 and (out / "frontier.md").is_file()

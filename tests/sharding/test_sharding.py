@@ -1,0 +1,157 @@
+"""Sharded prefill and decode (model.sharding, model.sequence_parallel).
+
+The equality tests run in subprocesses with 8 fake CPU devices (XLA_FLAGS must be set
+before JAX starts); they are slow-tier. The default tier checks the mesh, rules and flag
+validation only (one device, no compile).
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from experiments.costmodel.sharding import by_kind, step_collectives
+from model import Transformer, get_config, init_cache
+from model.sharding import (
+    cache_specs,
+    check_capacity,
+    check_mesh,
+    distributed_settings,
+    make_mesh,
+    param_specs,
+    parse_mesh,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _run(args, devices, timeout=240):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-m", "tests.sharding.worker", *args], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def test_mesh_rules_and_flags_validation():
+    assert parse_mesh("sequence=4,tensor=2") == {"data": 1, "sequence": 4, "tensor": 2}
+    for bad in ("", "sequence", "sequence=0", "pipeline=2", "sequence=2,sequence=2",
+                "sequence=-1"):
+        with pytest.raises(ValueError, match="--mesh"):
+            parse_mesh(bad)
+    with pytest.raises(ValueError, match="needs 8 devices"):
+        make_mesh("sequence=8")  # one CPU device here
+    config = get_config("tiny")  # 4 heads, 2 kv heads, d_ff 128
+    for tensor, name in ((3, "n_heads"), (4, "n_kv_heads")):
+        with pytest.raises(ValueError, match=f"tensor={tensor} must divide ModelConfig.{name}"):
+            check_mesh(config, {"data": 1, "sequence": 1, "tensor": tensor})
+    check_mesh(config, {"tensor": 2})
+    with pytest.raises(ValueError, match="multiple of the mesh's sequence=3"):
+        check_capacity({"sequence": 3}, 256)
+    # Every parameter has a rule; heads and the MLP split over "tensor", the rest whole.
+    state = nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    specs = param_specs(state)
+    layer = specs["layers"][0]
+    assert layer["attn"]["wq"]["kernel"].get_value() == P(None, "tensor")
+    assert layer["attn"]["wo"]["kernel"].get_value() == P("tensor", None)
+    assert layer["mlp"]["down"]["kernel"].get_value() == P("tensor", None)
+    assert layer["indexer"]["wq"]["kernel"].get_value() == P(None, None)
+    cache = cache_specs(jax.eval_shape(lambda: init_cache(config, 256)))
+    assert cache[0].k == P("sequence", "tensor", None) and cache[0].k_index == P(None, None)
+    assert all(s == P(None) or s == P(None, None) for s in cache[0].summaries)
+    assert distributed_settings(environ={}) == (None, 1, None)
+    assert distributed_settings(environ={"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES":
+                                         "2", "JAX_PROCESS_ID": "1"}) == ("h:1", 2, 1)
+    with pytest.raises(ValueError, match="--coordinator-address"):
+        distributed_settings(num_processes=2, process_id=0, environ={})
+    with pytest.raises(ValueError, match=r"--process-id must be in \[0, 1\]"):
+        distributed_settings("h:1", 2, 5, environ={})
+    # Serving takes the flags (tests/sharding/test_sharded_serving.py serves on meshes):
+    # malformed ones and several processes without a mesh are refused before JAX starts,
+    # a mesh that does not fit the devices when it is made, each naming the flag.
+    from serving.__main__ import check_parallel_flags, parse_args, serving_mesh
+
+    assert check_parallel_flags(parse_args(["--mesh", "sequence=2,tensor=2"])) == 1
+    with pytest.raises(ValueError, match="--num-processes=2 needs --mesh"):
+        check_parallel_flags(parse_args(["--num-processes", "2", "--process-id", "0",
+                                         "--coordinator-address", "h:1"]))
+    with pytest.raises(ValueError, match="--mesh: unknown axis 'pipeline'"):
+        check_parallel_flags(parse_args(["--mesh", "pipeline=2"]))
+    with pytest.raises(ValueError, match="--mesh: .* needs 2 devices, there are 1"):
+        serving_mesh(parse_args(["--mesh", "sequence=2"]))
+    assert serving_mesh(parse_args([])) is None
+
+
+def _check_equal(r, *, exact_indices):
+    ix = r["indices"]
+    assert r["last_logits_max_abs_diff"] < 1e-4 * max(1.0, r["last_logits_scale"]), r
+    assert r["same_next_token"] and r["decode_tokens_equal"], r
+    assert r["decode_logits_max_abs_diff"] < 1e-4 * max(1.0, r["last_logits_scale"]), r
+    assert ix["other"] == 0, ix  # every differing row is a near-tie of the exact scores
+    if exact_indices:
+        assert ix["identical"] == ix["rows"], ix
+    assert ix["near_tie_share"] < 1e-3, ix
+    assert r["shardings_follow_rules"], r
+    m = r["memory"]
+    # The KV cache splits over sequence x tensor; indexer keys + summaries stay whole.
+    assert m["kv_per_device"] * r["sequence"] * r["tensor"] == m["kv_total"], m
+    assert m["replicated_per_device"] == m["replicated_total"], m
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("indexer,meshes", [
+    ("flat", "sequence=8;tensor=2,data=4;sequence=2,tensor=2,data=2"),
+    ("hierarchical", "sequence=8;sequence=4,tensor=2"),
+])
+def test_sharded_prefill_and_decode_equal_one_device(indexer, meshes):
+    results = _run(["equality", indexer, meshes], devices=8)
+    assert results[0]["batch_decode_max_abs_diff"] < 1e-4  # serving's vmapped decode step
+    # The compiled collectives are the cost model's, byte for byte (so no whole-cache
+    # gather crept in).
+    first = results[0]
+    predicted = by_kind(step_collectives(get_config("tiny", indexer=indexer),
+                                         first["collectives"]["rows"], first["sequence"],
+                                         first["tensor"]))
+    assert first["collectives"]["bytes"] == predicted
+    for r in results:
+        print(r["mesh"], r["indices"], r["memory"])  # near-tie share and bytes, with -s
+        _check_equal(r, exact_indices=r["sequence"] > 1 and r["tensor"] == 1)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_agree_with_one():
+    address = f"localhost:{_free_port()}"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # two writers of one cache entry
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.sharding.worker", "process",
+                               address, "2", str(i), "sequence=2,tensor=2"], cwd=ROOT, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        assert p.returncode == 0, stderr[-4000:]
+        line = [x for x in stdout.splitlines() if x.startswith("RESULT ")][-1]
+        outs.append(json.loads(line[len("RESULT "):]))
+    for i, r in enumerate(outs):
+        assert (r["process_index"], r["process_count"]) == (i, 2)
+        assert (r["global_devices"], r["local_devices"]) == (4, 2)
+        assert r["max_abs_diff"] < 1e-4 and r["indices_equal"], r
+        assert r["kv_shard_rows"] * 2 == r["kv_rows"]
+    assert outs[0]["logits"] == outs[1]["logits"]

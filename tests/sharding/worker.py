@@ -1,0 +1,92 @@
+"""Runs in a subprocess with fake CPU devices (XLA_FLAGS set by the caller before JAX
+starts); prints one JSON line. Modes:
+
+    python -m tests.sharding.worker equality INDEXER MESH[;MESH...]
+        sharded vs single-device prefill + decode (experiments.benchmarks.sharded.compare)
+    python -m tests.sharding.worker process ADDRESS NUM_PROCESSES PROCESS_ID MESH
+        one process of a jax.distributed job: sharded prefill vs this process's own
+        single-device prefill
+"""
+
+import json
+import sys
+
+import numpy as np
+
+N_TOKENS = 150  # not a multiple of the tiny preset's chunk (64) or block (8)
+DECODE_STEPS = 3
+
+
+def _model(indexer):
+    from flax import nnx
+
+    from model import Transformer, get_config
+
+    return Transformer(get_config("tiny", indexer=indexer), rngs=nnx.Rngs(0))
+
+
+def _tokens():
+    return np.random.default_rng(0).integers(0, 259, N_TOKENS).astype(np.int32)
+
+
+def batch_decode_diff(model, tokens, mesh_text):
+    """Max |logits| difference of one decode_batch step (2 slots, one holding the prefilled
+    sequence) on `mesh_text` vs one device (serving's batched decode: a vmap of the step)."""
+    import jax
+
+    from model import ModelRunner
+    from model.sharding import make_mesh
+
+    out = []
+    for runner in (ModelRunner(model), ModelRunner(model, mesh=make_mesh(mesh_text))):
+        _, cache = runner.prefill(tokens, capacity=len(tokens) + 1)
+        slots = runner.new_batch_cache(2, len(tokens) + 1)
+        slots = jax.tree.map(lambda s, c: s.at[0].set(c), slots, cache)
+        logits, _ = runner.decode_batch([7, 0], slots, [len(tokens), 0])
+        out.append(np.asarray(logits)[0])
+    return float(np.max(np.abs(out[0] - out[1])))
+
+
+def equality(indexer, meshes):
+    import jax
+
+    from experiments.benchmarks.sharded import compare
+
+    jax.config.update("jax_disable_most_optimizations", True)  # compile time, as in tests
+    model, tokens, reference, out = _model(indexer), _tokens(), None, []
+    for i, mesh in enumerate(meshes.split(";")):
+        # The first mesh also compiles its first chunk step for its collectives.
+        r, reference = compare(model, tokens, mesh, decode_steps=DECODE_STEPS,
+                               reference=reference, timed=False, collectives=i == 0)
+        out.append(r)
+    out[0]["batch_decode_max_abs_diff"] = batch_decode_diff(model, tokens, meshes.split(";")[0])
+    return out
+
+
+def process(address, num_processes, process_id, mesh_text):
+    from model.sharding import initialize_distributed, make_mesh
+
+    initialize_distributed(address, int(num_processes), int(process_id))
+    import jax
+
+    from model import ModelRunner
+
+    model, tokens = _model("flat"), _tokens()
+    mesh = make_mesh(mesh_text)
+    sharded = ModelRunner(model, mesh=mesh)
+    logits, cache, got = sharded.prefill(tokens, capture=("indices",))
+    single = ModelRunner(model)  # this process's first local device only
+    ref_logits, _, ref = single.prefill(tokens, capture=("indices",))
+    return {"process_index": jax.process_index(), "process_count": jax.process_count(),
+            "global_devices": len(jax.devices()), "local_devices": jax.local_device_count(),
+            "logits": np.asarray(logits).tolist(),
+            "max_abs_diff": float(np.max(np.abs(np.asarray(logits) - np.asarray(ref_logits)))),
+            "indices_equal": bool(np.array_equal(got["indices"], ref["indices"])),
+            "kv_shard_rows": cache[0].k.addressable_shards[0].data.shape[0],
+            "kv_rows": cache[0].k.shape[0]}
+
+
+if __name__ == "__main__":
+    mode, *args = sys.argv[1:]
+    result = {"equality": equality, "process": process}[mode](*args)
+    print("RESULT " + json.dumps(result), flush=True)
