@@ -39,6 +39,7 @@ def test_untrained_screen_scores_are_the_mean_screens():
     assert np.isneginf(np.asarray(learned)[0, -1]) or 203 - 37 >= 192  # causal blocks masked
 
 
+@pytest.mark.slow  # default-tier time budget (a gradient compile); runs in CI's slow tier
 def test_a_training_step_lowers_the_screen_loss_on_a_tiny_batch():
     q, w, k = _inputs(1, 48, 300)
     s = block_summaries(k, 16)
@@ -110,7 +111,8 @@ def test_the_mass_rule_keeps_exactly_the_fewest_blocks_reaching_the_threshold(th
     assert np.all(got <= seen.sum(axis=1)) and np.all(got >= forced.sum(axis=1))
 
 
-@pytest.mark.parametrize("coarse", [pytest.param("mean", marks=pytest.mark.slow), "learned"])
+@pytest.mark.slow  # default-tier time budget (one compiled branch per bucket); CI's slow tier
+@pytest.mark.parametrize("coarse", ["mean", "learned"])
 def test_mass_rule_budgets_are_respected_and_follow_the_need(coarse):
     T, L, top_k = 64, 700, 16
     q, w, k = _inputs(4, T, L)
