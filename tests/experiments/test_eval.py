@@ -107,6 +107,7 @@ def test_missing_checkpoint_error_names_the_training_command(tmp_path):
         load_default_model(tmp_path / "nothing")
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 @pytest.mark.skipif(not has_checkpoint(),
                     reason=f"no shipped checkpoint at {default_checkpoint_dir()} yet (made by "
                            "experiments.training.train; the lead adds checkpoints/small)")

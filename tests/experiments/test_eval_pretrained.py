@@ -35,6 +35,7 @@ def test_passkey_sequence_holds_each_key_once_before_its_question(tiny):
     assert lo < 30 / 32 < hi and 0 < lo and hi <= 1
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_sparse_with_full_budget_is_dense(tiny, tmp_path):
     L = 256
     ev.main(["--model", str(tiny), "--indexer-dir", "none", "--lengths", str(L),
