@@ -15,13 +15,17 @@ and each budget rule:
 - mass: coarse_mass in --masses, at most --mass-max tokens (the adaptive rule, at the
   screen's fitted temperature; each chunk of queries runs at the smallest of the
   --mass-buckets that holds its largest need, so speed follows the need);
-- ratio: coarse_keep_ratio in --ratios (the reference's COARSE_THRESHOLD).
+- ratio: coarse_keep_ratio in --ratios (the reference's COARSE_THRESHOLD);
+- --extra "NAME:FIELD=VALUE,...;...": any other HierarchicalConfig over the base (e.g.
+  tables no larger than the budget, `tile_candidate_tokens=8192`, or exact mode,
+  `exact=true`), one row per scorer, rule NAME.
 
 Recall is against flat top-k on the same inputs, averaged over layers; speedup is the sum
 over layers of flat time over hierarchical time. ceiling: the best recall any choice of that
 many blocks reaches (indexer.block_recall_ceiling), per fixed budget; mass and ratio rows
-give the candidate blocks they kept and ran at. Writes OUT/frontier.json, OUT/frontier.md,
-OUT/frontier.png (--out, default runs/frontier/).
+give the candidate blocks they kept and ran at; "scored" is the share of the visible blocks
+scored exactly per query (exact mode's rescoring included: where exact mode prunes).
+Writes OUT/frontier.json, OUT/frontier.md, OUT/frontier.png (--out, default runs/frontier/).
 """
 
 import argparse
@@ -41,6 +45,7 @@ from experiments.common import (
     add_out_argument,
     enable_compile_cache,
     machine_description,
+    parse_hierarchical,
     write_json,
 )
 from experiments.data import eval_sequence, model_indexer_inputs
@@ -63,6 +68,22 @@ def variants(base, args, methods):
         for ratio in args.ratios:
             out[f"{method}/ratio/{ratio}"] = (method, "ratio", ratio, cfg.replace(
                 candidate_tokens=None, coarse_keep_ratio=ratio))
+        for name, fields in args.extra:
+            extra = parse_hierarchical(fields, cfg)
+            out[f"{method}/{name}"] = (method, name, extra.candidate_tokens, extra)
+    return out
+
+
+def parse_extra(text):
+    """'NAME:FIELD=VALUE,...;...' -> [(NAME, 'FIELD=VALUE,...')]."""
+    out = []
+    for item in (text or "").split(";"):
+        if item.strip():
+            name, sep, fields = item.partition(":")
+            if not sep or not name.strip() or "/" in name:
+                raise argparse.ArgumentTypeError(
+                    f"--extra items are NAME:FIELD=VALUE,... (NAME without '/'), got {item!r}")
+            out.append((name.strip(), fields))
     return out
 
 
@@ -78,14 +99,16 @@ def bench_layer(q, w, k, top_k, q_offset, runs, screen, args):
     times = median_interleaved(fns, args.repeats)
     flat = outs["flat"]
     res = {"flat_s": times["flat"]}
-    for name, (_, rule, _, cfg) in runs.items():
+    for name, (_, _, _, cfg) in runs.items():
         _, stats = indexer.hierarchical_topk_with_stats(q, w, k, top_k, cfg, q_offset=q_offset,
                                                        summaries=summaries, screen=screen)
         res[name] = dict(time_s=times[name], recall=indexer.recall(outs[name], flat),
                          kept_blocks=float(stats["kept_blocks"]),
-                         run_blocks=float(stats["run_blocks"]))
-        if rule == "fixed":  # the best choice of as many blocks as it really keeps (the
-            # forced sink, local and bound blocks may raise a small budget)
+                         run_blocks=float(stats["run_blocks"]),
+                         scored=float(stats["scored_fraction"]))
+        if cfg.candidate_tokens and cfg.coarse_mass is None and not cfg.exact:
+            # the best choice of as many blocks as it really keeps (the forced sink, local
+            # and bound blocks may raise a small budget)
             res[name]["ceiling"] = indexer.block_recall_ceiling(
                 flat, int(stats["candidate_blocks"]), args.block_size)
     return res
@@ -103,8 +126,9 @@ def summarize(L, per_layer, runs):
             recall_per_layer=[r[name]["recall"] for r in per_layer],
             kept_blocks=float(np.mean([r[name]["kept_blocks"] for r in per_layer])),
             run_blocks=float(np.mean([r[name]["run_blocks"] for r in per_layer])),
+            scored=float(np.mean([r[name]["scored"] for r in per_layer])),
             ceiling=(float(np.mean([r[name]["ceiling"] for r in per_layer]))
-                     if rule == "fixed" else None)))
+                     if "ceiling" in per_layer[0][name] else None)))
     return dict(length=L, flat_s=flat_s, rows=rows)
 
 
@@ -113,14 +137,16 @@ def markdown(result):
              f"top_k {result['top_k']}, blocks of {result['block_size']}; speedup = flat time "
              f"/ hierarchical time summed over {result['layers']} layers, recall vs flat "
              f"(mean over layers). {result['machine']}.", "",
-             "| L | scorer | rule | knob | speedup | recall | ceiling | blocks kept / run |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| L | scorer | rule | knob | speedup | recall | ceiling | blocks kept / run | "
+             "scored |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for length in result["lengths"]:
         for r in length["rows"]:
             ceiling = f"{r['ceiling']:.4f}" if r["ceiling"] is not None else ""
             lines.append(f"| {r['length']} | {r['method']} | {r['rule']} | {r['knob']} | "
                          f"{r['speedup']:.2f}x | {r['recall']:.4f} | {ceiling} | "
-                         f"{r['kept_blocks']:.1f} / {r['run_blocks']:.1f} |")
+                         f"{r['kept_blocks']:.1f} / {r['run_blocks']:.1f} | "
+                         f"{r.get('scored', float('nan')):.3f} |")
     return "\n".join(lines)
 
 
@@ -136,12 +162,16 @@ def plot(result, path):
     marks = {"fixed": "o-", "mass": "s--", "ratio": "^:"}
     for ax, length in zip(axes[0], lengths):
         for method in sorted({r["method"] for r in length["rows"]}):
-            for rule in ("fixed", "mass", "ratio"):
+            for rule in dict.fromkeys(r["rule"] for r in length["rows"]):
                 pts = sorted((r["recall"], r["speedup"]) for r in length["rows"]
                               if r["method"] == method and r["rule"] == rule)
                 if pts:
-                    ax.plot(*zip(*pts), marks[rule], color=styles.get(method, "k"),
+                    ax.plot(*zip(*pts), marks.get(rule, "D"), color=styles.get(method, "k"),
                             label=f"{method}, {rule}")
+                if pts and rule not in marks:  # an --extra variant: name the point
+                    for x, y in pts:
+                        ax.annotate(rule, (x, y), textcoords="offset points", xytext=(4, 4),
+                                    fontsize=7)
         fixed = [r for r in length["rows"] if r["rule"] == "fixed" and r["method"] == "mean"]
         if fixed:  # the ceiling of each fixed budget, at that budget's measured speed
             ax.plot([r["ceiling"] for r in fixed], [r["speedup"] for r in fixed], "k*",
@@ -180,6 +210,8 @@ def main(argv=None):
     p.add_argument("--mass-buckets", type=parse_list(float), default=[0.125, 0.25, 0.5, 1.0],
                    help="fractions of --mass-max the mass rule's chunks can run at")
     p.add_argument("--ratios", type=parse_list(float), default=[0.05, 0.1, 0.2])
+    p.add_argument("--extra", type=parse_extra, default=[], metavar="NAME:FIELD=VALUE,...;...",
+                   help="more HierarchicalConfig variants over the base, one row each")
     p.add_argument("--methods", type=parse_list(str), default=None,
                    help="coarse scorers (default: mean, and learned when trained screens "
                         "exist)")

@@ -15,12 +15,15 @@ sparse with the hierarchical indexer (all layers sparse except --dense-layers):
   that pass): recall and IoU of hierarchical vs flat selections, and attention-mass recall
   (the share of the dense attention, averaged over heads, on the selected tokens) of each,
   per layer and averaged over the sparse layers;
-- passkey retrieval (experiments.evaluation.passkey): accuracy per method with a Wilson 95%
-  interval over --probe-sequences sequences x --per-sequence probes.
+- retrieval probes (experiments.evaluation.retrieval; --probe copy: random-token strings
+  asked again at the end, or passkey: five-digit keys): accuracy per method with a Wilson 95%
+  interval over --probe-sequences sequences x --per-sequence probes, each method on the same
+  sequences.
 
 --rope-scaling S (lengths past the model's trained context): linear position interpolation
 of the whole model. --selection-only: only the selection statistics (for 16K-32K contexts,
-where the three perplexity passes would cost more than they say). JSON to OUT/eval.json, a
+where the three perplexity passes would cost more than they say). --retrieval-only: only the
+probes. JSON to OUT/eval.json, a
 table to OUT/eval.md (default runs/eval_pretrained).
 """
 
@@ -41,7 +44,13 @@ from experiments.common import (
 )
 from experiments.evaluation.evaluate import target_nll
 from experiments.evaluation.metrics import pair_metrics, selection_metrics, selections_on_captured
-from experiments.evaluation.passkey import build_passkey_sequence, score_passkeys, wilson_interval
+from experiments.evaluation.retrieval import (
+    KINDS,
+    build_probe_sequence,
+    mean_interval,
+    score_probes,
+    wilson_interval,
+)
 from experiments.text_corpus import heldout_text_tokens
 from model import ModelRunner, with_config
 
@@ -91,74 +100,139 @@ def selection_stats(model, tokens, queries, flat_cfg, hier_cfg):
     return stats
 
 
+def logged_selection_stats(model, tokens, queries, log):
+    """selection_stats of the model's flat and hierarchical configs, logged."""
+    t = time.monotonic()
+    s = selection_stats(model, tokens, queries, method_config(model.config, "sparse_flat"),
+                        method_config(model.config, "sparse_hier"))
+    log(f"L={len(tokens)} selection: recall {s['recall_sparse_layers']:.4f} iou "
+        f"{s['iou_sparse_layers']:.4f} mass flat {s['mass_flat_sparse_layers']:.4f} hier "
+        f"{s['mass_hier_sparse_layers']:.4f} ({time.monotonic() - t:.0f} s)")
+    return s
+
+
 def evaluate_length(model, tokenizer, text_tokens, L, *, queries, probe_sequences,
-                    per_sequence, seed, log, selection_only=False):
+                    per_sequence, seed, log, selection_only=False, probe="copy",
+                    retrieval_only=False, methods=METHODS, selection=True):
     tokens = np.asarray(text_tokens[-L:], np.int32)
     cfg = model.config
     out = dict(length=L, methods={})
+    if retrieval_only:
+        out["retrieval"] = retrieval(model, tokenizer, text_tokens, L, probe, probe_sequences,
+                                     per_sequence, seed, log, methods)
+        return out
     if selection_only:
-        out["selection"] = selection_stats(model, tokens, min(queries, L),
-                                           method_config(cfg, "sparse_flat"),
-                                           method_config(cfg, "sparse_hier"))
-        s = out["selection"]
-        log(f"L={L} selection: recall {s['recall_sparse_layers']:.4f} mass flat "
-            f"{s['mass_flat_sparse_layers']:.4f} hier {s['mass_hier_sparse_layers']:.4f}")
+        out["selection"] = logged_selection_stats(model, tokens, min(queries, L), log)
         return out
     lps = {}
-    for method in METHODS:
+    for method in methods:
         m = with_config(model, method_config(cfg, method))
         t = time.monotonic()
         logits, _ = ModelRunner(m).prefill(tokens, logits_from=0)
         nll, lps[method] = nll_of(logits, tokens)
         tail = nll[cfg.top_k:] if L > cfg.top_k + 1 else nll
-        out["methods"][method] = dict(perplexity=round(float(np.exp(nll.mean())), 5),
-                                      perplexity_after_top_k=round(float(np.exp(tail.mean())), 5),
-                                      wall_s=round(time.monotonic() - t, 1))
+        out["methods"][method] = dict(
+            perplexity=round(float(np.exp(nll.mean())), 5),
+            perplexity_after_top_k=round(float(np.exp(tail.mean())), 5),
+            # where in the context the loss is: positions [0, L/4), [L/4, L/2), ...
+            perplexity_by_quarter=[round(float(np.exp(q.mean())), 5)
+                                   for q in np.array_split(nll, 4)],
+            wall_s=round(time.monotonic() - t, 1))
         log(f"L={L} {method}: ppl {out['methods'][method]['perplexity']:.4f} "
             f"({out['methods'][method]['wall_s']} s)")
     d = out["methods"]["dense"]["perplexity"]
-    for method in METHODS[1:]:
+    for method in methods[1:]:
         out["methods"][method]["ppl_vs_dense"] = round(out["methods"][method]["perplexity"] / d
                                                        - 1, 6)
     pairs = (("sparse_flat", "dense"), ("sparse_hier", "dense"), ("sparse_hier", "sparse_flat"))
     # KL(P_reference || P_method): the reference is the second of each pair
     out["pairs"] = {f"{a}|{b}": pair_metrics(np.asarray(lps[b]), np.asarray(lps[a]))
-                    for a, b in pairs}
+                    for a, b in pairs if a in lps and b in lps}
     del lps
     log(f"L={L} pairs: " + ", ".join(f"{k} top1 {v['agreement']:.4f}"
                                      for k, v in out["pairs"].items()))
-    t = time.monotonic()
-    out["selection"] = selection_stats(model, tokens, min(queries, L),
-                                       method_config(cfg, "sparse_flat"),
-                                       method_config(cfg, "sparse_hier"))
-    s = out["selection"]
-    log(f"L={L} selection: recall {s['recall_sparse_layers']:.4f} iou {s['iou_sparse_layers']:.4f}"
-        f" mass flat {s['mass_flat_sparse_layers']:.4f} hier {s['mass_hier_sparse_layers']:.4f}"
-        f" ({time.monotonic() - t:.0f} s)")
+    if selection:
+        out["selection"] = logged_selection_stats(model, tokens, min(queries, L), log)
     if probe_sequences:
-        out["passkey"] = passkey(model, tokenizer, text_tokens, L, probe_sequences,
-                                 per_sequence, seed, log)
+        out["retrieval"] = retrieval(model, tokenizer, text_tokens, L, probe, probe_sequences,
+                                     per_sequence, seed, log, methods)
     return out
 
 
-def passkey(model, tokenizer, text_tokens, L, n_seq, per_sequence, seed, log):
+def retrieval(model, tokenizer, text_tokens, L, kind, n_seq, per_sequence, seed, log,
+              methods=METHODS):
+    """Retrieval probes (experiments.evaluation.retrieval) of one kind at length L, each
+    method scoring the same sequences -> {kind, sequences, per_sequence, depths, method:
+    exact accuracy (Wilson interval), token accuracy and, for sparse methods, its paired
+    difference to dense (intervals over sequences), per-probe scores}."""
     filler = np.asarray(text_tokens[:-L] if len(text_tokens) > 2 * L else text_tokens)
-    seqs = [build_passkey_sequence(tokenizer, filler, L, per_sequence=per_sequence,
-                                   seed=seed * 1000 + L + i) for i in range(n_seq)]
-    result = {}
-    for method in METHODS:
+    seqs = [build_probe_sequence(kind, tokenizer, filler, L, per_sequence=per_sequence,
+                                 seed=seed * 1000 + L + i) for i in range(n_seq)]
+    result = dict(kind=kind, sequences=n_seq, per_sequence=per_sequence)
+    per_seq = {}  # method -> [mean token accuracy of each sequence]
+    for method in methods:
         runner = ModelRunner(with_config(model, method_config(model.config, method)))
-        correct = []
+        scores, per_seq[method] = [], []
         for seq in seqs:
             logits, _ = runner.prefill(seq.tokens, logits_from=seq.query_start)
-            correct += score_passkeys(logits, seq)
-        k, n = int(sum(correct)), len(correct)
+            got = score_probes(logits, seq)
+            scores += got
+            per_seq[method].append(float(np.mean(got)))
+        k, n = sum(x == 1.0 for x in scores), len(scores)
         lo, hi = wilson_interval(k, n)
-        result[method] = dict(correct=k, probes=n, accuracy=round(k / n, 4),
-                              ci95=[round(lo, 4), round(hi, 4)])
-        log(f"L={L} passkey {method}: {k}/{n}")
+        tok, (tlo, thi) = mean_interval(per_seq[method])
+        entry = dict(correct=k, probes=n, accuracy=round(k / n, 4),
+                     ci95=[round(lo, 4), round(hi, 4)], token_accuracy=round(tok, 4),
+                     token_ci95=[round(tlo, 4), round(thi, 4)],
+                     scores=[round(x, 4) for x in scores])
+        line = (f"L={L} {kind} probes {method}: exact {k}/{n} ({k / n:.1%} [{lo:.1%}, "
+                f"{hi:.1%}]), tokens {tok:.1%} [{tlo:.1%}, {thi:.1%}]")
+        if method != "dense" and "dense" in per_seq:
+            diff, (dlo, dhi) = mean_interval(np.subtract(per_seq[method], per_seq["dense"]))
+            entry["token_vs_dense"] = round(diff, 4)
+            entry["token_vs_dense_ci95"] = [round(dlo, 4), round(dhi, 4)]
+            line += f", vs dense {diff:+.1%} [{dlo:+.1%}, {dhi:+.1%}]"
+        result[method] = entry
+        log(line)
     result["depths"] = [round(d, 3) for s in seqs for d in s.depths]
     return result
+
+
+def _probe_cell(e):
+    cell = f"tokens {e['token_accuracy']:.1%} [{e['token_ci95'][0]:.1%}, {e['token_ci95'][1]:.1%}]"
+    if "token_vs_dense" in e:
+        lo, hi = e["token_vs_dense_ci95"]
+        cell += f" ({e['token_vs_dense']:+.1%} [{lo:+.1%}, {hi:+.1%}])"
+    return cell + (f"; exact {e['correct']}/{e['probes']} = {e['accuracy']:.1%} "
+                   f"[{e['ci95'][0]:.1%}, {e['ci95'][1]:.1%}]")
+
+
+def _table_row(r):
+    """One length's row of the main table; "-" where a pass or statistic was not run."""
+    m, pairs, s = r["methods"], r["pairs"], r.get("selection", {})
+    pk = r.get("retrieval", r.get("passkey", {}))
+
+    def ppl(method):
+        if method not in m:
+            return "-"
+        gap = m[method].get("ppl_vs_dense")
+        return f"{m[method]['perplexity']:.3f}" + (f" ({gap:+.2%})" if gap is not None else "")
+
+    def agree(pair):
+        return f"{pairs[pair]['agreement']:.4f}" if pair in pairs else "-"
+
+    def sel(key):
+        return f"{s[key]:.4f}" if key in s else "-"
+
+    def probes(method):
+        return f"{pk[method]['correct']}/{pk[method]['probes']}" if method in pk else "-"
+
+    return " | ".join([
+        f"| {r['length']}", ppl("dense"), ppl("sparse_flat"), ppl("sparse_hier"),
+        agree("sparse_flat|dense"), agree("sparse_hier|dense"), agree("sparse_hier|sparse_flat"),
+        sel("recall_sparse_layers"), sel("iou_sparse_layers"), sel("mass_flat_sparse_layers"),
+        sel("mass_hier_sparse_layers"), probes("dense"), probes("sparse_flat"),
+        probes("sparse_hier")]) + " |"
 
 
 def to_markdown(report):
@@ -166,26 +240,15 @@ def to_markdown(report):
              f"top_k {report['config']['top_k']}, dense layers "
              f"{report['config']['dense_layers'] or 'none'}, hierarchical "
              f"{report['hierarchical_budget']}, rope_scaling {report['config']['rope_scaling']}, "
-             f"index_rope_scaling {report['config']['index_rope_scaling']}",
-             "", "| L | ppl dense | flat | hier | top-1 flat/dense | hier/dense | hier/flat | "
-             "recall | IoU | mass flat | mass hier | passkey dense | flat | hier |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    selection_only = [r for r in report["lengths"] if not r["methods"]]
-    for r in report["lengths"]:
-        if not r["methods"]:
-            continue
-        m, p, s = r["methods"], r["pairs"], r["selection"]
-        pk = r.get("passkey", {})
-        acc = lambda k: (f"{pk[k]['correct']}/{pk[k]['probes']}" if k in pk else "-")  # noqa
-        lines.append(
-            f"| {r['length']} | {m['dense']['perplexity']:.3f} | "
-            f"{m['sparse_flat']['perplexity']:.3f} ({m['sparse_flat']['ppl_vs_dense']:+.2%}) | "
-            f"{m['sparse_hier']['perplexity']:.3f} ({m['sparse_hier']['ppl_vs_dense']:+.2%}) | "
-            f"{p['sparse_flat|dense']['agreement']:.4f} | {p['sparse_hier|dense']['agreement']:.4f}"
-            f" | {p['sparse_hier|sparse_flat']['agreement']:.4f} | {s['recall_sparse_layers']:.4f}"
-            f" | {s['iou_sparse_layers']:.4f} | {s['mass_flat_sparse_layers']:.4f} | "
-            f"{s['mass_hier_sparse_layers']:.4f} | {acc('dense')} | {acc('sparse_flat')} | "
-            f"{acc('sparse_hier')} |")
+             f"index_rope_scaling {report['config']['index_rope_scaling']}"]
+    selection_only = [r for r in report["lengths"] if not r["methods"] and "selection" in r]
+    probed = [r for r in report["lengths"] if "retrieval" in r]
+    passes = [r for r in report["lengths"] if r["methods"]]
+    if passes:
+        lines += ["", "| L | ppl dense | flat | hier | top-1 flat/dense | hier/dense | hier/flat | "
+                  "recall | IoU | mass flat | mass hier | probes dense | flat | hier |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [_table_row(r) for r in passes]
     if selection_only:
         lines += ["", "Selection only (the dense pass's own indexer inputs, last queries):", "",
                   "| L | recall | IoU | mass flat | mass hier | mass hier / flat |",
@@ -195,6 +258,15 @@ def to_markdown(report):
             lines.append(f"| {r['length']} | {s['recall_sparse_layers']:.4f} | "
                          f"{s['iou_sparse_layers']:.4f} | {s['mass_flat_sparse_layers']:.4f} | "
                          f"{s['mass_hier_sparse_layers']:.4f} | {s['mass_ratio']:.4f} |")
+    if probed:
+        lines += ["", "Retrieval probes: tokens right (95% interval over sequences; sparse: "
+                  "difference to dense on the same sequences), probes right exactly "
+                  "(Wilson 95% interval):", "",
+                  "| L | probe | dense | sparse flat | sparse hier |", "|---|---|---|---|---|"]
+        for r in probed:
+            pk = r["retrieval"]
+            cells = [_probe_cell(pk[m]) if m in pk else "-" for m in METHODS]
+            lines.append(f"| {r['length']} | {pk['kind']} | " + " | ".join(cells) + " |")
     lines += ["", f"Command: `{report['command']}`", ""]
     return "\n".join(lines)
 
@@ -216,13 +288,27 @@ def main(argv=None):
                    help="position interpolation of the indexer only (default: rope-scaling)")
     p.add_argument("--queries", type=int, default=1024,
                    help="last positions whose selections are compared")
+    p.add_argument("--probe", choices=KINDS, default="copy",
+                   help="retrieval probe kind (experiments.evaluation.retrieval)")
     p.add_argument("--probe-sequences", type=int, default=4)
-    p.add_argument("--per-sequence", type=int, default=8)
+    p.add_argument("--per-sequence", type=int, default=4,
+                   help="probes per sequence (more random-word lists in one context "
+                        "confuse SmolLM2-135M even dense: 12 lists in 2K tokens -> 6-12 of "
+                        "12 words copied, 4 lists -> all)")
+    p.add_argument("--retrieval-only", action="store_true",
+                   help="only the retrieval probes (no perplexity or selection passes)")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help=f"which passes, dense first ({', '.join(METHODS)})")
+    p.add_argument("--no-selection", action="store_true",
+                   help="skip the selection statistics (the captured dense pass)")
     p.add_argument("--selection-only", action="store_true",
                    help="only the selection statistics (long contexts: no perplexity passes)")
     p.add_argument("--seed", type=int, default=0)
     add_out_argument(p, "eval_pretrained")
     args = p.parse_args(argv)
+    methods = tuple(x.strip() for x in args.methods.split(",") if x.strip())
+    if not methods or methods[0] != "dense" or not set(methods) <= set(METHODS):
+        p.error(f"--methods must start with dense and name only {', '.join(METHODS)}")
     t0 = time.monotonic()
     overrides = {}
     if args.top_k is not None:
@@ -251,7 +337,9 @@ def main(argv=None):
         results.append(evaluate_length(model, pre.tokenizer, text, L, queries=args.queries,
                                        probe_sequences=args.probe_sequences,
                                        per_sequence=args.per_sequence, seed=args.seed, log=log,
-                                       selection_only=args.selection_only))
+                                       selection_only=args.selection_only, probe=args.probe,
+                                       retrieval_only=args.retrieval_only, methods=methods,
+                                       selection=not args.no_selection))
         report = dict(model=args.model, info=pre.info, config=model.config.to_dict(),
                       hierarchical_budget=model.config.hierarchical.candidate_tokens
                       or f"keep ratio {model.config.hierarchical.coarse_keep_ratio}",

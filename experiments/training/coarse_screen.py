@@ -21,6 +21,7 @@ loaded with the model from then on) and OUT/coarse_screen_log.json.
 """
 
 import argparse
+import functools
 import pathlib
 import platform
 import shlex
@@ -66,20 +67,29 @@ def mean_loss(scales, log_t, examples, block_size):
                for q, w, s, t, off in examples) / len(examples)
 
 
-def fit(loss_of, params, examples, steps, lr):
-    """Adam on params under loss_of(params, examples) -> (params, [loss per step])."""
-    optimizer = optax.adam(lr)
+_ADAM = optax.scale_by_adam()
 
-    @jax.jit
-    def step(params, opt_state, examples):
-        loss, grads = jax.value_and_grad(loss_of)(params, examples)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
 
-    opt_state = optimizer.init(params)
+@functools.partial(jax.jit, static_argnames=("block_size", "train_scales"))
+def fit_step(params, opt_state, examples, lr, *, block_size, train_scales):
+    """One Adam step on params = (scales, log_temperature) under mean_loss; with
+    train_scales=False only the temperature moves. One compilation serves every layer (the
+    learning rate is traced, the examples have the same shapes in every layer)."""
+    loss, (g_scales, g_log_t) = jax.value_and_grad(
+        lambda pt: mean_loss(pt[0], pt[1], examples, block_size))(params)
+    if not train_scales:
+        g_scales = jnp.zeros_like(g_scales)
+    updates, opt_state = _ADAM.update((g_scales, g_log_t), opt_state, params)
+    return jax.tree.map(lambda x, u: x - lr * u, params, updates), opt_state, loss
+
+
+def fit(params, examples, steps, lr, *, block_size, train_scales=True):
+    """Adam on params = (scales, log_temperature) -> (params, [loss per step])."""
+    opt_state = _ADAM.init(params)
     losses = []
     for _ in range(steps):
-        params, opt_state, loss = step(params, opt_state, examples)
+        params, opt_state, loss = fit_step(params, opt_state, examples, lr,
+                                           block_size=block_size, train_scales=train_scales)
         losses.append(float(loss))
     return params, losses
 
@@ -142,11 +152,11 @@ def main(argv=None):
         examples = [e[:5] for e in train[i]]
         init = block.coarse_screen.params()
         identity = init.scales  # the untrained screen is the mean screen
-        (scales, log_t), losses = fit(
-            lambda pt, ex: mean_loss(pt[0], pt[1], ex, B),
-            (init.scales, init.log_temperature), examples, args.steps, args.lr)
-        mean_log_t, mean_losses = fit(lambda t, ex, P=identity: mean_loss(P, t, ex, B),
-                                      init.mean_log_temperature, examples, args.steps, args.lr)
+        (scales, log_t), losses = fit((init.scales, init.log_temperature), examples,
+                                      args.steps, args.lr, block_size=B)
+        (_, mean_log_t), mean_losses = fit((identity, init.mean_log_temperature), examples,
+                                           args.steps, args.lr, block_size=B,
+                                           train_scales=False)
         screen = ScreenParams(scales, log_t, mean_log_t)
         q, w, _, _, off, k, flat = valid[i][0]
         valid_mean = heldout_recall(q, w, k, flat, off, hier_mean, top_k, screen)

@@ -80,6 +80,7 @@ def lm_loss(model, batch, *, remat=False):
     return jnp.sum(nll * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+@jax.checkpoint  # the [T, H_I, T] scores are recomputed in the backward pass, not kept per layer
 def indexer_kl(q, w, k, p):
     """KL(p_t || softmax(I[t, :])) averaged over the T queries t of one layer.
 

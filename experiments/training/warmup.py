@@ -12,8 +12,15 @@ Data: experiments.text_corpus (Python sources and English docs; the evaluation t
 Writes OUT/indexer.safetensors + OUT/dsa.json (model.pretrained.indexer_weights: the
 indexer, the run-time config it is meant for, the base file's sha256, the training record)
 and OUT/warmup_log.json + OUT/warmup_curve.png (train KL per step, held-out KL). Resumable:
-OUT.work/ keeps the weights, optimizer state and record every --save-every steps; rerunning
-the same command continues (batches are a pure function of the step).
+OUT.work/ (or --work) keeps the weights, optimizer state and record every --save-every steps;
+rerunning the same command continues (batches are a pure function of the step).
+
+A second stage on longer windows starts from a finished stage's weights (--init DIR) with
+its own work folder; the earlier stages' records travel into the new dsa.json and curve:
+
+    python -m experiments.training.warmup --model smollm2-135m --init checkpoints/smollm2-135m \
+        --out checkpoints/smollm2-135m --work checkpoints/smollm2-135m.work-8k \
+        --steps 40 --seq-len 8192 --lr 5e-4
 """
 
 import argparse
@@ -67,14 +74,19 @@ def plot_curve(record, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    steps, kl = zip(*record["train"]) if record["train"] else ((), ())
-    ax.plot(steps, kl, lw=0.8, alpha=0.6, label="train KL (one sequence)")
-    if len(kl) >= 10:
-        smooth = np.convolve(kl, np.ones(10) / 10, mode="valid")
-        ax.plot(steps[9:], smooth, lw=1.5, label="train KL (10-step mean)")
-    if record["heldout"]:
-        hs, hk = zip(*record["heldout"])
-        ax.plot(hs, hk, "o-", label="held-out KL (pydoc text)")
+    offset = 0
+    for stage in [*record.get("previous", []), record]:
+        tag = f"{stage['seq_len']} tokens" if "seq_len" in stage else ""
+        steps, kl = zip(*stage["train"]) if stage["train"] else ((), ())
+        steps = np.asarray(steps) + offset
+        ax.plot(steps, kl, lw=0.8, alpha=0.5, label=f"train KL, {tag} (one sequence)")
+        if len(kl) >= 10:
+            smooth = np.convolve(kl, np.ones(10) / 10, mode="valid")
+            ax.plot(steps[9:], smooth, lw=1.5, label=f"train KL, {tag} (10-step mean)")
+        if stage["heldout"]:
+            hs, hk = zip(*stage["heldout"])
+            ax.plot(np.asarray(hs) + offset, hk, "o-", label=f"held-out KL, {tag} window")
+        offset += stage["steps"] if "steps" in stage else stage["step"]
     ax.set_xlabel("step")
     ax.set_ylabel("KL (nats), mean over layers")
     ax.set_yscale("log")
@@ -83,6 +95,14 @@ def plot_curve(record, path):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def previous_stages(directory):
+    """The warm-up records of the stages that produced `directory`'s indexer, oldest first:
+    [{command, steps, seq_len, tokens, wall_s, ..., train, heldout}]."""
+    log = json.loads((pathlib.Path(directory) / "warmup_log.json").read_text())
+    log.setdefault("heldout", log.get("heldout_kl", []))
+    return [*log.pop("previous", []), log]
 
 
 def main(argv=None):
@@ -97,6 +117,11 @@ def main(argv=None):
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--heldout-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", default=None, metavar="DIR",
+                   help="start from the indexer weights of a finished stage (its --out) "
+                        "instead of fresh ones")
+    p.add_argument("--work", default=None, metavar="DIR",
+                   help="resume state folder (default: OUT.work); one per stage")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop (resumably) after this much wall time")
     p.add_argument("--top-k", type=int, default=1024,
@@ -111,7 +136,7 @@ def main(argv=None):
     enable_compile_cache()
     t0 = time.monotonic()
     out = pathlib.Path(args.out)
-    work = out.with_name(out.name + ".work")
+    work = pathlib.Path(args.work) if args.work else out.with_name(out.name + ".work")
     dense_layers = tuple(int(x) for x in args.dense_layers.split(",") if x.strip())
 
     pre = load_pretrained(args.model, indexer_dir=None, seed=args.seed, attention="dense")
@@ -121,7 +146,13 @@ def main(argv=None):
         record = json.loads((work / "record.json").read_text())
         print(f"resuming from {work} at step {record['step']}")
     else:
-        record = dict(step=0, train=[], heldout=[], wall_s=0.0, tokens=0)
+        record = dict(step=0, train=[], heldout=[], wall_s=0.0, tokens=0, previous=[])
+        if args.init:
+            load_indexer_weights(args.init, model)
+            record["previous"] = previous_stages(args.init)
+            print(f"starting from the indexer of {args.init} "
+                  f"({len(record['previous'])} earlier stage(s))")
+    record["seq_len"] = args.seq_len
     record["title"] = (f"{args.model}: indexer warm-up, {args.seq_len} tokens/step, "
                        f"{platform.machine()} {jax.devices()[0].platform}")
 
@@ -208,10 +239,13 @@ def main(argv=None):
         f"{jax.devices()[0].device_kind}", trainable_params=n_params, lr=args.lr,
         train_kl_first10=round(float(np.mean(train_kl[:10])), 4),
         train_kl_last10=round(float(np.mean(train_kl[-10:])), 4),
-        heldout_kl=record["heldout"])
+        heldout_kl=record["heldout"],
+        previous_stages=[{k: v for k, v in st.items() if k not in ("train", "previous")}
+                         for st in record.get("previous", [])])
     save_indexer_weights(out, model, base=base, metadata=dict(warmup=summary), config=final)
-    (out / "warmup_log.json").write_text(json.dumps(dict(summary, train=record["train"]),
-                                                    indent=1) + "\n")
+    log = dict(summary, train=record["train"], previous=record.get("previous", []))
+    log.pop("previous_stages")
+    (out / "warmup_log.json").write_text(json.dumps(log, indent=1) + "\n")
     plot_curve(record, out / "warmup_curve.png")
     print(json.dumps(summary, indent=1))
     print(f"wrote {out}")

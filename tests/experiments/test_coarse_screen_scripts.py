@@ -23,11 +23,19 @@ def test_distil_then_frontier(tmp_path):
     out = tmp_path / "frontier"
     frontier.main(["--checkpoint", str(ckpt), "--lengths", "1000", "--queries", "64",
                    "--budgets", "256,512", "--masses", "0.9", "--ratios", "0.5",
+                   "--extra", "exact:candidate_tokens=256,exact=true;tight:"
+                   "candidate_tokens=512,tile_candidate_tokens=512",
                    "--repeats", "1", "--out", str(out)])
     result = json.loads((out / "frontier.json").read_text())
     rows = result["lengths"][0]["rows"]
     assert {r["method"] for r in rows} == {"mean", "learned"}
-    assert {r["rule"] for r in rows} == {"fixed", "mass", "ratio"}
+    assert {r["rule"] for r in rows} == {"fixed", "mass", "ratio", "exact", "tight"}
+    for r in rows:
+        if r["rule"] == "exact":  # certified equal to flat; "scored" says where it pruned
+            assert r["recall"] == pytest.approx(1.0) and 0 < r["scored"] <= 1
+            assert r["ceiling"] is None
+        if r["rule"] == "tight":
+            assert 0 < r["ceiling"] <= 1
     for r in rows:
         assert 0 < r["recall"] <= 1 and r["speedup"] > 0
         if r["rule"] == "fixed":

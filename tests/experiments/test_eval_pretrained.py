@@ -1,5 +1,5 @@
 """The pretrained-model evaluation on a tiny Llama checkpoint: equivalences that must hold
-(sparse with top_k >= L is dense) and the passkey probe's construction."""
+(sparse with top_k >= L is dense) and the retrieval probes' construction."""
 
 import json
 
@@ -7,7 +7,14 @@ import numpy as np
 import pytest
 
 from experiments.evaluation import pretrained as ev
-from experiments.evaluation.passkey import build_passkey_sequence, wilson_interval
+from experiments.evaluation.retrieval import (
+    CUE_TOKENS,
+    STRING_TOKENS,
+    build_probe_sequence,
+    mean_interval,
+    wilson_interval,
+    word_tokens,
+)
 from model.pretrained import load_pretrained
 from tests.pretrained_files import make_tiny_checkpoints
 
@@ -22,7 +29,7 @@ def tiny(tmp_path_factory):
 def test_passkey_sequence_holds_each_key_once_before_its_question(tiny):
     tok = load_pretrained(tiny, attention="dense").tokenizer
     filler = np.asarray(tok.encode("plain filler words and more words. " * 80, bos=False))
-    seq = build_passkey_sequence(tok, filler, 600, per_sequence=5, seed=1)
+    seq = build_probe_sequence("passkey", tok, filler, 600, per_sequence=5, seed=1)
     assert len(seq.tokens) == 600 and len(seq.answer_positions) == 5
     text = tok.decode(seq.tokens)
     for positions, digits, depth in zip(seq.answer_positions, seq.answer_tokens, seq.depths):
@@ -33,6 +40,36 @@ def test_passkey_sequence_holds_each_key_once_before_its_question(tiny):
         assert 0.0 < depth < 1.0
     lo, hi = wilson_interval(30, 32)
     assert lo < 30 / 32 < hi and 0 < lo and hi <= 1
+    mean, (lo, hi) = mean_interval([0.5, 0.75, 1.0, 0.75])
+    assert mean == 0.75 and lo < 0.75 < hi
+
+
+def test_copy_sequence_asks_each_string_again_after_its_cue(tiny):
+    tok = load_pretrained(tiny, attention="dense").tokenizer
+    filler = np.asarray(tok.encode("the quick brown fox jumps over a lazy dog; " * 40 +
+                                   "and then some other words follow here. " * 40, bos=False))
+    seq = build_probe_sequence("copy", tok, filler, 700, per_sequence=6, seed=3)
+    assert len(seq.tokens) == 700 and len(seq.answer_positions) == 6
+    toks = seq.tokens.tolist()
+    for positions, answer, depth in zip(seq.answer_positions, seq.answer_tokens, seq.depths):
+        assert len(positions) == len(answer) == STRING_TOKENS - CUE_TOKENS
+        assert positions[0] >= seq.query_start and 0.0 < depth < 1.0
+        assert [toks[p + 1] for p in positions] == answer
+        cue = toks[positions[0] + 1 - CUE_TOKENS:positions[0] + 1]
+        whole = cue + answer
+        starts = [i for i in range(len(toks) - STRING_TOKENS + 1)
+                  if toks[i:i + STRING_TOKENS] == whole]
+        # said once in the body (before the questions), once as the question
+        assert len(starts) == 2 and starts[0] < seq.query_start <= starts[1]
+    assert word_tokens(tok, filler).size == 0  # bytes: the copy probe used any tokens
+
+    class Words:  # a vocabulary with whole-word tokens
+        def decode(self, ids):
+            return {1: " river", 2: " Blue", 3: " an", 4: "ing", 5: " stone"}[ids[0]]
+
+    assert word_tokens(Words(), np.array([5, 1, 2, 3, 4, 1])).tolist() == [1, 5]
+    with pytest.raises(ValueError, match="probe kind"):
+        build_probe_sequence("needle", tok, filler, 700, per_sequence=6, seed=3)
 
 
 @pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
@@ -51,7 +88,7 @@ def test_sparse_with_full_budget_is_dense(tiny, tmp_path):
     s = r["selection"]
     assert s["recall_sparse_layers"] == pytest.approx(1.0)
     assert s["mass_flat_sparse_layers"] == pytest.approx(1.0, abs=1e-5)
-    assert r["passkey"]["dense"]["probes"] == 3
+    assert r["retrieval"]["dense"]["probes"] == 3 and r["retrieval"]["kind"] == "copy"
     assert (tmp_path / "eval.md").read_text().startswith("# ")
 
 
@@ -73,3 +110,23 @@ def test_selection_only(tiny, tmp_path):
     r = json.loads((tmp_path / "eval.json").read_text())["lengths"][0]
     assert r["methods"] == {} and 0 < r["selection"]["recall_sparse_layers"] <= 1
     assert "Selection only" in (tmp_path / "eval.md").read_text()
+
+
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
+def test_retrieval_only_with_chosen_passes(tiny, tmp_path):
+    ev.main(["--model", str(tiny), "--indexer-dir", "none", "--lengths", "256",
+             "--top-k", "256", "--retrieval-only", "--methods", "dense,sparse_flat",
+             "--probe", "passkey", "--probe-sequences", "2", "--per-sequence", "2",
+             "--out", str(tmp_path)])
+    r = json.loads((tmp_path / "eval.json").read_text())["lengths"][0]
+    pk = r["retrieval"]
+    assert r["methods"] == {} and "selection" not in r and pk["kind"] == "passkey"
+    assert set(pk) == {"kind", "sequences", "per_sequence", "depths", "dense", "sparse_flat"}
+    # top_k = L: sparse attends to every token, so it answers every probe as dense does
+    assert pk["sparse_flat"]["scores"] == pk["dense"]["scores"]
+    assert pk["sparse_flat"]["token_vs_dense"] == 0.0
+    assert all(0.0 <= x <= 1.0 for x in pk["dense"]["scores"])
+    assert pk["dense"]["probes"] == 4 and len(pk["depths"]) == 4
+    assert "Retrieval probes" in (tmp_path / "eval.md").read_text()
+    with pytest.raises(SystemExit):
+        ev.main(["--model", str(tiny), "--methods", "sparse_flat", "--out", str(tmp_path)])

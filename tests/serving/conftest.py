@@ -15,6 +15,22 @@ API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
+def wait_healthy(url, procs, timeout, output=lambda: ""):
+    """Polls url/health until 200; AssertionError when one of the server processes `procs`
+    exits or `timeout` s pass (with output(): what the servers printed)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for p in procs:
+            assert p.poll() is None, f"a server process exited:\n{output()}"
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"the server did not become ready in {timeout} s:\n{output()}")
+
+
 def tiny_loaded():
     import flax.nnx as nnx
 

@@ -14,6 +14,8 @@ import time
 import httpx
 import pytest
 
+from tests.serving.conftest import wait_healthy
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -38,16 +40,7 @@ def test_sigterm_drains_then_exits(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server not ready in 120 s"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
+        wait_healthy(url, [proc], 120, output=proc.stdout.read)
         first_chunk, result = threading.Event(), {}
 
         def stream():

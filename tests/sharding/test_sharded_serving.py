@@ -9,9 +9,7 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
 import yaml
 
@@ -64,24 +62,9 @@ def _reference():
         running.stop()
 
 
-def _wait_healthy(url, procs, logs, timeout=240):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p, log in zip(procs, logs):
-            assert p.poll() is None, f"a process exited: {log.read_text()[-4000:]}"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError("the sharded server did not become ready:\n"
-                         + logs[0].read_text()[-4000:])
-
-
 @pytest.mark.slow
 def test_two_processes_serve_like_one_device(tmp_path):
-    from tests.serving.conftest import API_KEY, test_config
+    from tests.serving.conftest import API_KEY, test_config, wait_healthy
 
     cfg = test_config()
     config = tmp_path / "serving.yaml"
@@ -101,7 +84,7 @@ def test_two_processes_serve_like_one_device(tmp_path):
     try:
         expected = _reference()  # while the two processes load and warm up
         url = f"http://127.0.0.1:{port}"
-        _wait_healthy(url, procs, logs)
+        wait_healthy(url, procs, 240, output=lambda: logs[0].read_text()[-4000:])
         got = http_requests(url, API_KEY)
         procs[0].send_signal(signal.SIGTERM)  # drain, stop, tell the follower to stop
         codes = [p.wait(60) for p in procs]
