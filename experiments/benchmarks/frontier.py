@@ -146,7 +146,7 @@ def markdown(result):
             lines.append(f"| {r['length']} | {r['method']} | {r['rule']} | {r['knob']} | "
                          f"{r['speedup']:.2f}x | {r['recall']:.4f} | {ceiling} | "
                          f"{r['kept_blocks']:.1f} / {r['run_blocks']:.1f} | "
-                         f"{r.get('scored', float('nan')):.3f} |")
+                         f"{r['scored']:.3f} |")
     return "\n".join(lines)
 
 

@@ -15,21 +15,23 @@ sparse with the hierarchical indexer (all layers sparse except --dense-layers):
   that pass): recall and IoU of hierarchical vs flat selections, and attention-mass recall
   (the share of the dense attention, averaged over heads, on the selected tokens) of each,
   per layer and averaged over the sparse layers;
-- retrieval probes (experiments.evaluation.retrieval; --probe copy: random-token strings
-  asked again at the end, or passkey: five-digit keys): accuracy per method with a Wilson 95%
-  interval over --probe-sequences sequences x --per-sequence probes, each method on the same
-  sequences.
+- retrieval probes (experiments.evaluation.retrieval; --probe copy: lists of random words
+  asked again at the end, or passkey: five-digit keys), each method on the same
+  --probe-sequences sequences x --per-sequence probes: tokens right (interval over
+  sequences; sparse methods also as a paired difference to dense) and probes right exactly
+  (Wilson 95% interval).
 
 --rope-scaling S (lengths past the model's trained context): linear position interpolation
 of the whole model. --selection-only: only the selection statistics (for 16K-32K contexts,
 where the three perplexity passes would cost more than they say). --retrieval-only: only the
-probes. JSON to OUT/eval.json, a
-table to OUT/eval.md (default runs/eval_pretrained).
+probes. JSON to OUT/eval.json, a table to OUT/eval.md (default runs/eval_pretrained).
 """
 
 import argparse
 import pathlib
 import platform
+import shlex
+import sys
 import time
 
 import jax
@@ -345,8 +347,8 @@ def main(argv=None):
                       or f"keep ratio {model.config.hierarchical.coarse_keep_ratio}",
                       text="last L tokens of pydoc_data.topics (held out from the warm-up)",
                       hardware=f"{platform.machine()}, {jax.devices()[0].device_kind}",
-                      command="python -m experiments.evaluation.pretrained " + " ".join(
-                          argv if argv is not None else __import__("sys").argv[1:]),
+                      command="python -m experiments.evaluation.pretrained " + shlex.join(
+                          argv if argv is not None else sys.argv[1:]),
                       lengths=results, wall_s=round(time.monotonic() - t0, 1))
         report["info"]["path"] = pathlib.Path(report["info"]["path"]).name
         if report["info"]["indexer"] != "fresh":

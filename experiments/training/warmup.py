@@ -75,18 +75,22 @@ def plot_curve(record, path):
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
     offset = 0
-    for stage in [*record.get("previous", []), record]:
-        tag = f"{stage['seq_len']} tokens" if "seq_len" in stage else ""
-        steps, kl = zip(*stage["train"]) if stage["train"] else ((), ())
+    # earlier stages are their warmup_log.json (steps, heldout_kl); this one is the record
+    stages = [(st["seq_len"], st["steps"], st["train"], st["heldout_kl"])
+              for st in record["previous"]]
+    stages.append((record["seq_len"], record["step"], record["train"], record["heldout"]))
+    for seq_len, n_steps, train, heldout in stages:
+        tag = f"{seq_len} tokens"
+        steps, kl = zip(*train) if train else ((), ())
         steps = np.asarray(steps) + offset
         ax.plot(steps, kl, lw=0.8, alpha=0.5, label=f"train KL, {tag} (one sequence)")
         if len(kl) >= 10:
             smooth = np.convolve(kl, np.ones(10) / 10, mode="valid")
             ax.plot(steps[9:], smooth, lw=1.5, label=f"train KL, {tag} (10-step mean)")
-        if stage["heldout"]:
-            hs, hk = zip(*stage["heldout"])
+        if heldout:
+            hs, hk = zip(*heldout)
             ax.plot(np.asarray(hs) + offset, hk, "o-", label=f"held-out KL, {tag} window")
-        offset += stage["steps"] if "steps" in stage else stage["step"]
+        offset += n_steps
     ax.set_xlabel("step")
     ax.set_ylabel("KL (nats), mean over layers")
     ax.set_yscale("log")
@@ -99,9 +103,8 @@ def plot_curve(record, path):
 
 def previous_stages(directory):
     """The warm-up records of the stages that produced `directory`'s indexer, oldest first:
-    [{command, steps, seq_len, tokens, wall_s, ..., train, heldout}]."""
+    their warmup_log.json summaries {command, steps, seq_len, tokens, ..., heldout_kl, train}."""
     log = json.loads((pathlib.Path(directory) / "warmup_log.json").read_text())
-    log.setdefault("heldout", log.get("heldout_kl", []))
     return [*log.pop("previous", []), log]
 
 
@@ -144,6 +147,7 @@ def main(argv=None):
     if (work / "record.json").is_file():
         load_indexer_weights(work, model)
         record = json.loads((work / "record.json").read_text())
+        record.setdefault("previous", [])  # work folders written before stages existed
         print(f"resuming from {work} at step {record['step']}")
     else:
         record = dict(step=0, train=[], heldout=[], wall_s=0.0, tokens=0, previous=[])
@@ -239,12 +243,11 @@ def main(argv=None):
         f"{jax.devices()[0].device_kind}", trainable_params=n_params, lr=args.lr,
         train_kl_first10=round(float(np.mean(train_kl[:10])), 4),
         train_kl_last10=round(float(np.mean(train_kl[-10:])), 4),
-        heldout_kl=record["heldout"],
-        previous_stages=[{k: v for k, v in st.items() if k not in ("train", "previous")}
-                         for st in record.get("previous", [])])
-    save_indexer_weights(out, model, base=base, metadata=dict(warmup=summary), config=final)
-    log = dict(summary, train=record["train"], previous=record.get("previous", []))
-    log.pop("previous_stages")
+        heldout_kl=record["heldout"])
+    stages = [{k: v for k, v in st.items() if k != "train"} for st in record["previous"]]
+    save_indexer_weights(out, model, base=base, config=final,
+                         metadata=dict(warmup=dict(summary, previous_stages=stages)))
+    log = dict(summary, train=record["train"], previous=record["previous"])
     (out / "warmup_log.json").write_text(json.dumps(log, indent=1) + "\n")
     plot_curve(record, out / "warmup_curve.png")
     print(json.dumps(summary, indent=1))
