@@ -162,4 +162,5 @@ def model_indexer_inputs(model, tokens, n_queries, *, chunk=None):
                                                     capture_from=L - n_queries)
     q, w = captured["indexer"].q, captured["indexer"].w
     return [(q[i].astype(np.float32), w[i].astype(np.float32),
-             np.asarray(c.k_index[:L], np.float32)) for i, c in enumerate(cache)]
+             np.asarray(cache[model.config.selection_source(i)].k_index[:L], np.float32))
+            for i in range(model.config.n_layers)]

@@ -32,7 +32,8 @@ from experiments.ttft.config import load_run_config
 from experiments.ttft.report import COLUMNS, markdown, plot, row_cells, summary_line
 from experiments.ttft.study import METHOD, environment, load_source, run_study
 from model import CheckpointMissingError
-from model.sharding import add_parallel_arguments, check_mesh, mesh_from_args, use_mesh
+from model.parallel_flags import add_parallel_arguments
+from model.sharding import check_mesh, mesh_from_args, use_mesh
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "run_default.yaml"
 

@@ -39,15 +39,22 @@ def num_blocks(length, block_size):
     return -(-int(length) // int(block_size))
 
 
+# Each summary field: (dtype, whether it has a d_I axis, what an empty block holds). The
+# model's cache (model.cache) builds its summary fields from this table.
+SUMMARY_LAYOUT = {
+    "sum": ("float32", True, 0.0),
+    "count": ("int32", False, 0),
+    "min": ("float32", True, float("inf")),
+    "max": ("float32", True, float("-inf")),
+    "radius": ("float32", False, float("inf")),
+}
+
+
 def empty_summaries(n_blocks, dim):
     """Summaries of n_blocks empty blocks of d_I = dim."""
-    return BlockSummaryCache(
-        sum=jnp.zeros((n_blocks, dim), jnp.float32),
-        count=jnp.zeros((n_blocks,), jnp.int32),
-        min=jnp.full((n_blocks, dim), jnp.inf, jnp.float32),
-        max=jnp.full((n_blocks, dim), -jnp.inf, jnp.float32),
-        radius=jnp.full((n_blocks,), jnp.inf, jnp.float32),
-    )
+    return BlockSummaryCache(**{
+        name: jnp.full((n_blocks, dim) if per_dim else (n_blocks,), fill, dtype)
+        for name, (dtype, per_dim, fill) in SUMMARY_LAYOUT.items()})
 
 
 def _radius(rows, total, count, block_size):

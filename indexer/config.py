@@ -7,10 +7,14 @@ COARSE_THRESHOLD), `fine_batch_size` (queries scored per fine step).
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 HEAD_SELECT_KINDS = ("max_abs_weight", "first")
 COARSE_KINDS = ("mean", "learned")
 _INT_MAX = 1 << 30
+# Fast ranking (HierarchicalConfig.fast_ranking) packs a column into the low bits of each
+# score: it keeps >= 11 mantissa bits up to 2^12 columns (indexer.hierarchical.packed_topk).
+PACKED_MAX_COLUMN_BITS = 12
 
 
 class FrozenConfig:
@@ -184,3 +188,45 @@ class HierarchicalConfig(FrozenConfig):
         if self.candidate_tokens is not None:
             return -(-self.candidate_tokens // self.block_size)
         return max(1, math.ceil(self.coarse_keep_ratio * n_blocks - 1e-9))
+
+
+class HierarchicalPlan(NamedTuple):
+    """Static sizes of one hierarchical_topk call (see hierarchical_plan)."""
+
+    tile: int  # queries per tile
+    chunk: int  # queries per lax.map step
+    n_chunks: int
+    n_blocks: int
+    n_cand: int  # candidate blocks per query
+    n_union: int  # blocks in a tile's table
+    own: bool  # rank each query over its own candidates (else the tile's union)
+    buckets: tuple  # mass rule: ((candidate blocks, table blocks), ...) ascending; else ()
+
+
+def hierarchical_plan(config, T, L, top_k, H):
+    """Static sizes of one hierarchical_topk call of T queries over L keys with H heads
+    (ValueError on a budget below top_k or more coarse heads than H)."""
+    B = config.block_size
+    if config.candidate_tokens is not None and config.candidate_tokens < top_k:
+        raise ValueError(f"HierarchicalConfig.candidate_tokens ({config.candidate_tokens}) must "
+                         f"be >= top_k ({top_k})")
+    if config.coarse_heads is not None and config.coarse_heads > H:
+        raise ValueError(f"HierarchicalConfig.coarse_heads ({config.coarse_heads}) must be in "
+                         f"[1, index heads = {H}]")
+    tile = min(config.query_tile, T)
+    chunk = min(config.fine_batch_size, -(-T // tile) * tile)
+    nb = -(-int(L) // B)
+    forced = config.sink_blocks + config.local_blocks + config.bound_blocks
+    n_cand = min(nb, max(config.candidate_blocks(nb), forced))
+    if tile == 1:
+        n_union = n_cand
+    else:
+        tile_tokens = config.tile_candidate_tokens or 2 * n_cand * B
+        n_union = min(nb, max(n_cand, -(-tile_tokens // B)))
+    own = tile > 1 and not config.share_tile_candidates
+    buckets = ()
+    if config.coarse_mass is not None:
+        sizes = sorted({min(n_cand, max(forced, math.ceil(f * n_cand - 1e-9)))
+                        for f in config.mass_buckets})
+        buckets = tuple((m, min(nb, max(m, math.ceil(n_union * m / n_cand)))) for m in sizes)
+    return HierarchicalPlan(tile, chunk, -(-T // chunk), nb, n_cand, n_union, own, buckets)

@@ -16,8 +16,6 @@ is O(fine_batch_size * (L / block_size + candidates)), never [T, L].
 """
 
 import functools
-import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +24,6 @@ import pallas_kernels
 from indexer.block_summaries import (
     block_means,
     block_summaries,
-    num_blocks,
     slice_blocks,
     visible_blocks,
 )
@@ -41,7 +38,7 @@ from indexer.candidates import (
     tile_candidate_union,
 )
 from indexer.coarse_screen import mass_budget, screen_block_scores
-from indexer.config import HierarchicalConfig
+from indexer.config import PACKED_MAX_COLUMN_BITS, HierarchicalConfig, hierarchical_plan
 from indexer.exact import block_upper_bounds, refine_exact
 
 __all__ = ["coarse_block_scores", "fine_topk", "hierarchical_topk",
@@ -78,9 +75,6 @@ def coarse_block_scores(q, w, summaries, *, block_size, q_offset=0, q_positions=
                                          key_block_size=block_size, backend=backend)
     visible = visible_blocks(_positions(T, q_offset, q_positions), summaries, block_size)
     return jnp.where(visible, scores, -jnp.inf)
-
-
-PACKED_MAX_COLUMN_BITS = 12  # fast ranking keeps >= 11 mantissa bits of each score
 
 
 def packed_topk(scores, top_k):
@@ -133,46 +127,6 @@ def fine_topk(q, w, k, block_table, top_k, *, block_size, q_offset=0, candidates
         values, cols = jax.lax.top_k(scores, top_k)
     tokens = table_tokens(block_table, cols, block_size, query_tile)
     return values, jnp.where(values > -jnp.inf, tokens, -1).astype(jnp.int32)
-
-
-class _Plan(NamedTuple):
-    tile: int  # queries per tile
-    chunk: int  # queries per lax.map step
-    n_chunks: int
-    n_blocks: int
-    n_cand: int  # candidate blocks per query
-    n_union: int  # blocks in a tile's table
-    own: bool  # rank each query over its own candidates (else the tile's union)
-    buckets: tuple  # mass rule: ((candidate blocks, table blocks), ...) ascending; else ()
-
-
-def hierarchical_plan(config, T, L, top_k, H):
-    """Static sizes of one hierarchical_topk call of T queries over L keys with H heads
-    (ValueError on a budget below top_k or more coarse heads than H)."""
-    B = config.block_size
-    if config.candidate_tokens is not None and config.candidate_tokens < top_k:
-        raise ValueError(f"HierarchicalConfig.candidate_tokens ({config.candidate_tokens}) must "
-                         f"be >= top_k ({top_k})")
-    if config.coarse_heads is not None and config.coarse_heads > H:
-        raise ValueError(f"HierarchicalConfig.coarse_heads ({config.coarse_heads}) must be in "
-                         f"[1, index heads = {H}]")
-    tile = min(config.query_tile, T)
-    chunk = min(config.fine_batch_size, -(-T // tile) * tile)
-    nb = num_blocks(L, B)
-    forced = config.sink_blocks + config.local_blocks + config.bound_blocks
-    n_cand = min(nb, max(config.candidate_blocks(nb), forced))
-    if tile == 1:
-        n_union = n_cand
-    else:
-        tile_tokens = config.tile_candidate_tokens or 2 * n_cand * B
-        n_union = min(nb, max(n_cand, -(-tile_tokens // B)))
-    own = tile > 1 and not config.share_tile_candidates
-    buckets = ()
-    if config.coarse_mass is not None:
-        sizes = sorted({min(n_cand, max(forced, math.ceil(f * n_cand - 1e-9)))
-                        for f in config.mass_buckets})
-        buckets = tuple((m, min(nb, max(m, math.ceil(n_union * m / n_cand)))) for m in sizes)
-    return _Plan(tile, chunk, -(-T // chunk), nb, n_cand, n_union, own, buckets)
 
 
 def hierarchical_topk_with_stats(q, w, k, top_k, config=HierarchicalConfig(), *, q_offset=0,
@@ -335,3 +289,10 @@ def hierarchical_topk(q, w, k, top_k, config=HierarchicalConfig(), *, q_offset=0
     """
     return _hierarchical(q, w, k, top_k, config, q_offset=q_offset, summaries=summaries,
                          screen=screen, backend=backend, with_stats=False)
+
+
+def hierarchical_select(q, w, k, top_k, *, q_offset, config, summaries=None, screen=None):
+    """The "hierarchical" selection kind (indexer.selection): hierarchical_topk with the
+    layer's HierarchicalConfig."""
+    return hierarchical_topk(q, w, k, top_k, config, q_offset=q_offset, summaries=summaries,
+                             screen=screen)

@@ -58,3 +58,16 @@ def flat_topk(q, w, k, top_k, *, q_offset=0, query_chunk=DEFAULT_QUERY_CHUNK, ba
 
     out = jax.lax.map(one_chunk, (qp, wp, starts))
     return out.reshape(n_chunks * chunk, top_k)[:T]
+
+
+def flat_select(q, w, k, top_k, *, q_offset, config=None, summaries=None, screen=None):
+    """The "flat" selection kind (indexer.selection): flat_topk."""
+    return flat_topk(q, w, k, top_k, q_offset=q_offset)
+
+
+def window_select(q, w, k, top_k, *, q_offset, config=None, summaries=None, screen=None):
+    """The "window" selection kind: the query and the top_k - 1 tokens before it, most
+    recent first (sliding-window attention with no scoring)."""
+    positions = q_offset + jnp.arange(q.shape[0])
+    window = positions[:, None] - jnp.arange(top_k)[None, :]
+    return jnp.where(window >= 0, window, -1).astype(jnp.int32)

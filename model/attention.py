@@ -4,8 +4,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from indexer import flat_topk, hierarchical_topk
 from indexer.rope import apply_rope, rope_angles
+from indexer.selection import selection_kind
 
 
 def dense_causal_attention(q, k, v, *, q_offset=0, scale=None, return_head_sum=False):
@@ -31,34 +31,18 @@ def dense_causal_attention(q, k, v, *, q_offset=0, scale=None, return_head_sum=F
     return out, p / jnp.sum(p, axis=-1, keepdims=True)
 
 
-def select_tokens(config, q_index, w_index, k_index, *, q_offset, summaries=None, layer=None,
+def select_tokens(config, layer, q_index, w_index, k_index, *, q_offset, summaries=None,
                   screen=None):
-    """The indexer's top_k selection for queries at q_offset.. -> i32[T, top_k] (-1 padded).
-
-    k_index: [L, d_I], the indexer-key cache up to a length bucket (positions past the
-    queries are masked by causality). config.indexer: "flat" (exact, O(T * L)),
-    "hierarchical" (coarse-to-fine with config.hierarchical; summaries: the cache's
-    BlockSummaryCache of k_index, at least ceil(L / block_size) blocks, or None to build
-    them from k_index), or "window" (the query and the top_k - 1 tokens before it, most
-    recent first: sliding-window attention with no indexer scoring, the baseline that
-    measures what selection costs). layer: the layer's index, for config.flat_index_layers
-    and config.layer_candidate_tokens (None: the selection config.indexer names, the shared
-    budget). screen: the layer's trained coarse screen (indexer.ScreenParams), used when
-    config.hierarchical.coarse is "learned" or its mass rule reads the screen's temperature.
-    """
-    kind = config.indexer if layer is None else config.layer_indexer(layer)
-    if kind == "window":
-        positions = q_offset + jnp.arange(q_index.shape[0])
-        window = positions[:, None] - jnp.arange(config.top_k)[None, :]
-        return jnp.where(window >= 0, window, -1).astype(jnp.int32)
-    if kind == "flat":
-        return flat_topk(q_index, w_index, k_index, config.top_k, q_offset=q_offset)
-    if kind == "hierarchical":
-        return hierarchical_topk(q_index, w_index, k_index, config.top_k,
-                                 config.layer_hierarchical(layer), q_offset=q_offset,
-                                 summaries=summaries, screen=screen)
-    raise ValueError(f"ModelConfig.indexer must be 'flat', 'hierarchical' or 'window', "
-                     f"got {config.indexer!r}")
+    """Layer `layer`'s top_k selection for queries at q_offset.. -> i32[T, top_k] (-1 padded):
+    the selection kind config.layer_indexer(layer) names (indexer.selection), with the
+    layer's HierarchicalConfig (config.layer_hierarchical). k_index: [L, d_I], the
+    indexer-key cache up to a length bucket (positions past the queries are masked by
+    causality); summaries: the cache's BlockSummaryCache of k_index; screen: the layer's
+    trained coarse screen (indexer.ScreenParams) or None."""
+    kind = selection_kind(config.layer_indexer(layer), what="ModelConfig.indexer")
+    return kind.function(q_index, w_index, k_index, config.top_k, q_offset=q_offset,
+                         config=config.layer_hierarchical(config.selection_source(layer)),
+                         summaries=summaries, screen=screen)
 
 
 class Attention(nnx.Module):

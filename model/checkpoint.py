@@ -15,6 +15,7 @@ from model.coarse_screen_file import (
     reset_coarse_screens,
 )
 from model.config import ModelConfig
+from model.transformer import Transformer, with_config
 
 # Fields that fix the weights' shapes or meaning. The rest (attention, indexer, top_k,
 # prefill_chunk, max_seq_len, rope_scaling, dtype) are run-time switches a user may change
@@ -78,12 +79,13 @@ def restore_checkpoint(directory, config=None, *, step=None, extra_target=None):
     stored ones (ValueError naming each differing field) and its run-time switches apply.
     extra_target: an abstract pytree to restore the `extra` item into (e.g. optimizer state).
     """
-    from model.transformer import Transformer  # local: checkpoint is imported by model/__init__
-
     stored, metadata = read_config(directory, step)
     if config is None:
         config = stored
     check_compatible(stored, config)
+    # Restored with the stored layers' parameters; a requested indexer_types that makes
+    # layers shared then drops their indexers (with_config).
+    requested, config = config, config.replace(indexer_types=stored.indexer_types)
     abstract = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     # Name this host's device: checkpoints that did record a device (e.g. cuda:0) still load.
@@ -99,6 +101,8 @@ def restore_checkpoint(directory, config=None, *, step=None, extra_target=None):
     nnx.replace_by_pure_dict(params, restored["state"])
     model = reset_coarse_screens(nnx.merge(graphdef, params, rest))
     attach_coarse_screen(model, directory)
+    if requested != config:
+        model = with_config(model, requested)
     return model, metadata, restored.get("extra") if extra_target is not None else None
 
 

@@ -46,7 +46,8 @@ def reset_coarse_screens(model):
     """Every layer's screen back to the untrained one (the mean screen): used where a model
     is assembled from abstract shapes (a checkpoint restore), which leave them unset."""
     for layer in model.layers:
-        layer.coarse_screen = CoarseScreen(model.config.index_heads, model.config.index_dim)
+        if layer.indexer is not None:  # shared layers (indexer_types) have neither
+            layer.coarse_screen = CoarseScreen(model.config.index_heads, model.config.index_dim)
     return model
 
 

@@ -4,10 +4,67 @@ import dataclasses
 import json
 
 from indexer.config import FrozenConfig, HierarchicalConfig
+from indexer.selection import selection_kind
 
 ATTENTION_KINDS = ("dense", "sparse")
-INDEXER_KINDS = ("flat", "hierarchical", "window")
 DTYPES = ("float32", "bfloat16")
+INDEXER_TYPES = ("full", "shared")  # GLM-5's names: a layer runs its indexer, or reuses one
+_PATTERN_LETTERS = {"F": "full", "S": "shared"}
+
+
+def glm_indexer_types(n_layers, *, index_topk_freq=1, index_skip_topk_offset=2):
+    """GLM-5's schedule of full and shared layers (transformers' GlmMoeDsaConfig): layer i
+    is full when max(i - offset + 1, 0) is a multiple of the frequency, so the first
+    `offset` layers are full and then one in `index_topk_freq`."""
+    for name, value, lo in (("index_topk_freq", index_topk_freq, 1),
+                            ("index_skip_topk_offset", index_skip_topk_offset, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+            raise ValueError(f"ModelConfig.indexer_types: {name} must be an int >= {lo}, "
+                             f"got {value!r}")
+    return tuple("full" if max(i - index_skip_topk_offset + 1, 0) % index_topk_freq == 0
+                 else "shared" for i in range(n_layers))
+
+
+def normalize_indexer_types(value, n_layers):
+    """ModelConfig.indexer_types in any of its spellings -> a tuple of "full" / "shared" per
+    layer, or () when every layer is full (the same config as not saying it). Spellings:
+    a list of "full" / "shared"; a pattern string such as "FFSS..." (F full, S shared); a
+    mapping {index_topk_freq, index_skip_topk_offset} or {index_topk_pattern} as GLM-5's
+    config writes it. n_layers None: the model is not known yet (a serving config): the
+    spelling is checked and a schedule mapping is returned as given. ValueError naming the
+    field and what is allowed."""
+    where = "ModelConfig.indexer_types"
+    if isinstance(value, dict):
+        if "index_topk_pattern" in value:
+            if set(value) != {"index_topk_pattern"}:
+                raise ValueError(f"{where}: index_topk_pattern excludes other keys, got "
+                                 f"{sorted(value)}")
+            value = value["index_topk_pattern"]
+        else:
+            unknown = sorted(set(value) - {"index_topk_freq", "index_skip_topk_offset"})
+            if unknown:
+                raise ValueError(f"{where}: unknown keys {unknown}; allowed: index_topk_freq, "
+                                 "index_skip_topk_offset, index_topk_pattern")
+            schedule = glm_indexer_types(1 if n_layers is None else n_layers, **value)
+            if n_layers is None:
+                return dict(value)
+            value = schedule
+    if isinstance(value, str):
+        if any(c not in _PATTERN_LETTERS for c in value):
+            raise ValueError(f"{where}: a pattern string takes only the letters F (full) and "
+                             f"S (shared), got {value!r}")
+        value = [_PATTERN_LETTERS[c] for c in value]
+    if not isinstance(value, (tuple, list)) or any(t not in INDEXER_TYPES for t in value):
+        raise ValueError(f"{where} must be empty (every layer full), one entry per layer from "
+                         f"{INDEXER_TYPES}, a pattern such as 'FFSS' or GLM-5's "
+                         f"{{index_topk_freq, index_skip_topk_offset}}, got {value!r}")
+    value = tuple(value)
+    if n_layers is not None and value and len(value) != n_layers:
+        raise ValueError(f"{where} must have one entry per layer ({n_layers}), got {len(value)}")
+    if value and value[0] != "full":
+        raise ValueError(f"{where}: layer 0 must be 'full' (a shared layer reuses the selection "
+                         f"of an earlier full layer), got {value[0]!r}")
+    return () if all(t == "full" for t in value) else value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +83,12 @@ class ModelConfig(FrozenConfig):
     still runs, so its keys stay cached and trainable). tie_embeddings: the output
     projection is the token embedding's transpose (Llama-family checkpoints such as
     SmolLM2). layer_candidate_tokens: per-layer hierarchical budgets in tokens (one per
-    layer; empty: hierarchical's shared budget). Invalid values raise ValueError naming
-    the field and the allowed range.
+    layer; empty: hierarchical's shared budget). indexer_types: per-layer selection reuse
+    (GLM-5's field, IndexCache): "full" (the layer runs its indexer) or "shared" (it has no
+    indexer, caches no index keys and attends to the selection of the nearest earlier full
+    layer); empty: every layer full; layer 0 must be full; other spellings:
+    normalize_indexer_types. Invalid values raise ValueError naming the field and the
+    allowed range.
     """
 
     vocab_size: int = 259
@@ -54,6 +115,7 @@ class ModelConfig(FrozenConfig):
     flat_index_layers: tuple[int, ...] = ()
     dense_layers: tuple[int, ...] = ()
     layer_candidate_tokens: tuple[int, ...] = ()
+    indexer_types: tuple[str, ...] = ()
     tie_embeddings: bool = False
     prefill_chunk: int = 1024
     dtype: str = "float32"
@@ -93,11 +155,11 @@ class ModelConfig(FrozenConfig):
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"ModelConfig.tie_embeddings must be a bool, "
                              f"got {self.tie_embeddings!r}")
-        for name, allowed in (("attention", ATTENTION_KINDS), ("indexer", INDEXER_KINDS),
-                              ("dtype", DTYPES)):
+        for name, allowed in (("attention", ATTENTION_KINDS), ("dtype", DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.{name} must be one of {allowed}, "
                                  f"got {getattr(self, name)!r}")
+        selection_kind(self.indexer, what="ModelConfig.indexer")
         for name in ("flat_index_layers", "dense_layers"):
             layers = getattr(self, name)
             if not isinstance(layers, (tuple, list)) or any(
@@ -115,6 +177,12 @@ class ModelConfig(FrozenConfig):
                              f"hierarchical budget) or {self.n_layers} ints (one per layer), "
                              f"each >= top_k ({self.top_k}), got {per_layer!r}")
         object.__setattr__(self, "layer_candidate_tokens", tuple(per_layer))
+        object.__setattr__(self, "indexer_types",
+                           normalize_indexer_types(self.indexer_types, self.n_layers))
+        shared = [i for i in self.flat_index_layers if self.layer_is_shared(i)]
+        if shared:
+            raise ValueError(f"ModelConfig.flat_index_layers: layers {shared} are 'shared' in "
+                             "indexer_types: they run no selection of their own")
         budget = self.hierarchical.candidate_tokens
         if self.indexer == "hierarchical" and budget is not None and budget < self.top_k:
             raise ValueError(f"ModelConfig.hierarchical.candidate_tokens must be >= top_k "
@@ -129,9 +197,35 @@ class ModelConfig(FrozenConfig):
         """Whether layer `layer` attends to the indexer's selection (else dense)."""
         return self.attention == "sparse" and layer not in self.dense_layers
 
+    def layer_is_shared(self, layer):
+        """Whether layer `layer` reuses an earlier layer's selection (indexer_types)."""
+        return bool(self.indexer_types) and self.indexer_types[layer] == "shared"
+
+    def selection_source(self, layer):
+        """The layer whose selection layer `layer` attends to: itself when full, else the
+        nearest earlier full layer."""
+        while self.layer_is_shared(layer):
+            layer -= 1
+        return layer
+
+    def selection_users(self, layer):
+        """The layers that attend to full layer `layer`'s selection: itself and the shared
+        layers after it up to the next full one."""
+        users = [layer]
+        while users[-1] + 1 < self.n_layers and self.layer_is_shared(users[-1] + 1):
+            users.append(users[-1] + 1)
+        return tuple(users)
+
+    def layer_needs_selection(self, layer):
+        """Whether full layer `layer` must select: a layer that attends to its selection is
+        sparse."""
+        return any(self.layer_is_sparse(i) for i in self.selection_users(layer))
+
     def layer_indexer(self, layer):
-        """The selection layer `layer` runs: "flat" for flat_index_layers, else `indexer`."""
-        return "flat" if layer in self.flat_index_layers else self.indexer
+        """The selection kind behind layer `layer`'s attention: "flat" for
+        flat_index_layers, else `indexer`; a shared layer's is its source layer's."""
+        source = self.selection_source(layer)
+        return "flat" if source in self.flat_index_layers else self.indexer
 
     def layer_hierarchical(self, layer):
         """The HierarchicalConfig layer `layer` runs: `hierarchical` with the layer's own

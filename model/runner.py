@@ -4,7 +4,7 @@ ModelRunner is the one loop that runs a model over a sequence: serving, the main
 evaluation and benchmarks all prefill and decode through it.
 """
 
-from typing import NamedTuple
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,46 +12,73 @@ import numpy as np
 from flax import nnx
 
 from model import sharding
+from model.buckets import chunk_plan, length_bucket
+from model.cache import cache_capacity, cache_shapes, init_cache, init_sharded_cache
 from model.sampling import sample_token, validate_sampling
 from model.sequence_parallel import SequenceParallel
-from model.transformer import check_capture, init_cache
-
-MIN_BUCKET = 256
+from model.transformer import check_capture
 
 
-def length_bucket(n, minimum=MIN_BUCKET):
-    """Smallest power of two >= max(n, minimum): compiled shapes stay few (log2 of the
-    context) while compute stays within 2x of the real length."""
-    return max(minimum, 1 << (int(n) - 1).bit_length())
+def _constrain_tokens(mesh, tokens):
+    """A chunk's tokens split over the sequence axis (so are its activations, by
+    propagation: projections and MLP run on T / S rows per device)."""
+    if mesh is None or tokens.shape[0] % sharding.axis_size(mesh, "sequence"):
+        return tokens
+    return jax.lax.with_sharding_constraint(
+        tokens, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("sequence")))
 
 
-class Chunk(NamedTuple):
-    """One step of a chunked prefill: tokens[offset:offset + length] at `position`, padded
-    to `padded` rows, reading keys [0, kv_len) of the cache."""
-
-    offset: int
-    position: int
-    length: int
-    padded: int
-    kv_len: int
+def _last_row(mesh, logits, n_valid):
+    """logits[n_valid - 1]; under a mesh as a masked sum (exact: one non-zero term), so the
+    sequence-split rows reduce to one [V] row instead of being gathered whole."""
+    if mesh is None:
+        return logits[n_valid - 1]
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return jnp.sum(jnp.where(rows == n_valid - 1, logits, 0.0), axis=0)
 
 
-def chunk_plan(n, *, start, capacity, chunk):
-    """The chunks a prefill of n tokens at `start` into a cache of `capacity` positions runs
-    (static shapes: padded and kv_len are powers of two, capped by the cache)."""
-    plan = []
-    for offset in range(0, n, chunk):
-        length = min(chunk, n - offset)
-        position = start + offset
-        # Pad to a power-of-two bucket (few compiled shapes) but never past the cache:
-        # dynamic_update_slice would clamp the write back over earlier positions.
-        padded = min(chunk, length_bucket(length, minimum=16), capacity - position)
-        plan.append(Chunk(offset, position, length, padded,
-                          min(capacity, length_bucket(position + padded))))
-    return plan
+def _replicated(mesh, tree):
+    """Outputs every process can read (jax.distributed: np.asarray needs them whole)."""
+    if mesh is None:
+        return tree
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, whole), tree)
+
+
+@functools.partial(jax.jit, static_argnames=("kv_len", "all_logits", "capture", "graphdef",
+                                             "mesh", "parallel"),
+                   donate_argnames=("cache",))
+def _step(state, tokens, cache, start, kv_len, n_valid, all_logits, capture, *, graphdef,
+          mesh, parallel):
+    """One prefill chunk or decode step of the model (graphdef, state)."""
+    model = nnx.merge(graphdef, state)
+    tokens = _constrain_tokens(mesh, tokens)
+    # Rows past n_valid are padding: kept out of the block summaries.
+    out = model(tokens, cache, start, kv_len, n_valid=n_valid, capture=capture,
+                parallel=parallel)
+    logits, cache = out[0], out[1]
+    # Per-layer lists -> arrays with a leading layer axis.
+    captured = {kind: jax.tree.map(lambda *xs: jnp.stack(xs), *values)
+                for kind, values in out[2].items()} if capture else {}
+    if not all_logits:
+        logits = _last_row(mesh, logits, n_valid)
+    return _replicated(mesh, logits), cache, _replicated(mesh, captured)
+
+
+@functools.partial(jax.jit, static_argnames=("kv_len", "graphdef", "mesh", "parallel"),
+                   donate_argnames=("caches",))
+def _batch_step(state, tokens, caches, positions, *, kv_len, graphdef, mesh, parallel):
+    """One decode step for a batch of sequences (vmap of _step over the batch)."""
+    def one(token, cache, position):
+        logits, cache, _ = _step(state, token[None], cache, position, kv_len, 1, False, (),
+                                 graphdef=graphdef, mesh=mesh, parallel=parallel)
+        return logits, cache
+
+    return jax.vmap(one)(tokens, caches, positions)
 
 
 class ModelRunner:
+
     """Runs one sequence at a time through a Transformer with a KV + indexer-key cache.
 
     Prefill is chunked: chunk c of `prefill_chunk` tokens reads keys up to
@@ -77,47 +104,19 @@ class ModelRunner:
             if sharding.axis_size(mesh, "sequence") > 1:
                 self.parallel = SequenceParallel(mesh)
 
-        def step(state, tokens, cache, start, kv_len, n_valid, all_logits, capture):
-            model = nnx.merge(self.graphdef, state)
-            tokens = self._constrain_tokens(tokens)
-            # Rows past n_valid are padding: kept out of the block summaries.
-            out = model(tokens, cache, start, kv_len, n_valid=n_valid, capture=capture,
-                        parallel=self.parallel)
-            logits, cache = out[0], out[1]
-            # Per-layer lists -> arrays with a leading layer axis.
-            captured = {kind: jax.tree.map(lambda *xs: jnp.stack(xs), *values)
-                        for kind, values in out[2].items()} if capture else {}
-            if not all_logits:
-                logits = self._last_row(logits, n_valid)
-            return self._replicated(logits), cache, self._replicated(captured)
+        # The jitted steps are module-level, keyed on the model's structure (graphdef) and
+        # placement: runners over models of one config share their compiled programs.
+        self._static = dict(graphdef=self.graphdef, mesh=self.mesh, parallel=self.parallel)
 
-        self._step = jax.jit(step, static_argnames=("kv_len", "all_logits", "capture"),
-                             donate_argnames=("cache",))
-        self._batch_step = None  # decode_batch's jitted step, built on first use
+    def _run_step(self, state, tokens, cache, start, kv_len, n_valid, all_logits, capture):
+        return _step(state, tokens, cache, start, kv_len, n_valid, all_logits, capture,
+                     **self._static)
 
-    def _constrain_tokens(self, tokens):
-        """A chunk's tokens split over the sequence axis (so are its activations, by
-        propagation: projections and MLP run on T / S rows per device)."""
-        if self.mesh is None or tokens.shape[0] % sharding.axis_size(self.mesh, "sequence"):
-            return tokens
-        return jax.lax.with_sharding_constraint(
-            tokens, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec(
-                "sequence")))
-
-    def _last_row(self, logits, n_valid):
-        """logits[n_valid - 1]; under a mesh as a masked sum (exact: one non-zero term), so
-        the sequence-split rows reduce to one [V] row instead of being gathered whole."""
-        if self.mesh is None:
-            return logits[n_valid - 1]
-        rows = jnp.arange(logits.shape[0])[:, None]
-        return jnp.sum(jnp.where(rows == n_valid - 1, logits, 0.0), axis=0)
-
-    def _replicated(self, tree):
-        """Outputs every process can read (jax.distributed: np.asarray needs them whole)."""
-        if self.mesh is None:
-            return tree
-        whole = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, whole), tree)
+    def lower_step(self, tokens, cache, start, kv_len, n_valid, all_logits=False, capture=()):
+        """The jitted step of one chunk, lowered for these (abstract) arguments (to compile it
+        ahead of use, or read its HLO)."""
+        return _step.lower(self.state, tokens, cache, start, kv_len, n_valid, all_logits,
+                           capture, **self._static)
 
     def compile_prefill(self, n, *, capacity=None, chunk=None, start=0, logits_from=None,
                         capture=(), capture_from=None):
@@ -127,7 +126,7 @@ class ModelRunner:
                                                                 capture_from, logits_from)
         cap = length_bucket(capacity or (start + n))
         if self.mesh is not None:
-            cache = sharding.cache_shapes(self.config, cap, self.mesh)
+            cache = cache_shapes(self.config, cap, self.mesh)
         else:
             cache = jax.eval_shape(lambda: init_cache(self.config, cap))
         seen = set()
@@ -136,9 +135,8 @@ class ModelRunner:
                                                             capture_from))
             if key not in seen:
                 seen.add(key)
-                self._step.lower(self.state, jax.ShapeDtypeStruct((c.padded,), jnp.int32),
-                                 cache, c.position, c.kv_len, c.length, key[2],
-                                 key[3]).compile()
+                self.lower_step(jax.ShapeDtypeStruct((c.padded,), jnp.int32), cache,
+                                c.position, c.kv_len, c.length, key[2], key[3]).compile()
         return len(seen)
 
     def _check(self, n, chunk, start, capture, capture_from, logits_from):
@@ -174,7 +172,7 @@ class ModelRunner:
             raise ValueError(f"context of {capacity} tokens exceeds max_seq_len="
                              f"{self.config.max_seq_len}")
         if self.mesh is not None:
-            return sharding.init_sharded_cache(self.config, length_bucket(capacity), self.mesh)
+            return init_sharded_cache(self.config, length_bucket(capacity), self.mesh)
         return init_cache(self.config, length_bucket(capacity))
 
     def prefill(self, tokens, *, cache=None, capacity=None, chunk=None, start=0,
@@ -196,7 +194,7 @@ class ModelRunner:
                                                                 capture_from, logits_from)
         if cache is None:
             cache = self.new_cache(capacity or (start + n))
-        cap = cache[0].k.shape[0]
+        cap = cache_capacity(cache)
         if start + n > cap:
             raise ValueError(f"cache holds {cap} positions, prefill needs {start + n}")
         logits, captured = [], []
@@ -204,7 +202,7 @@ class ModelRunner:
             padded = np.zeros(c.padded, np.int32)
             padded[:c.length] = tokens[c.offset:c.offset + c.length]
             all_logits, kinds = self._chunk_outputs(c, logits_from, capture, capture_from)
-            out, cache, got = self._step(self.state, self._host(padded), cache, c.position,
+            out, cache, got = self._run_step(self.state, self._host(padded), cache, c.position,
                                          c.kv_len, c.length, all_logits, kinds)
             if all_logits:
                 logits.append(out[max(0, logits_from - c.position):c.length])
@@ -221,11 +219,11 @@ class ModelRunner:
 
     def decode(self, token, cache, position):
         """Appends `token` at `position`; returns (logits f32[V] for the next token, cache)."""
-        cap = cache[0].k.shape[0]
+        cap = cache_capacity(cache)
         if position >= cap:
             raise ValueError(f"cache holds {cap} positions, decode at position {position}")
         kv_len = min(cap, length_bucket(position + 1))
-        logits, cache, _ = self._step(self.state, self._host(np.asarray([token], np.int32)),
+        logits, cache, _ = self._run_step(self.state, self._host(np.asarray([token], np.int32)),
                                       cache, position, kv_len, 1, False, ())
         return logits, cache
 
@@ -268,22 +266,10 @@ class ModelRunner:
         batch, and the causal mask hides each shorter sequence's stale positions.
         """
         positions = np.asarray(positions, dtype=np.int32)
-        cap = caches[0].k.shape[1]
+        cap = cache_capacity(caches, batched=True)
         if positions.max(initial=0) >= cap or positions.min(initial=0) < 0:
             raise ValueError(f"cache holds {cap} positions, decode at positions "
                              f"{positions.tolist()}")
         kv_len = min(cap, length_bucket(int(positions.max(initial=0)) + 1))
-        if self._batch_step is None:
-            def one(state, token, cache, position, kv_len):
-                logits, cache, _ = self._step(state, token[None], cache, position, kv_len, 1,
-                                              False, ())
-                return logits, cache
-
-            def batch_step(state, tokens, caches, positions, kv_len):
-                return jax.vmap(one, in_axes=(None, 0, 0, 0, None))(state, tokens, caches,
-                                                                    positions, kv_len)
-
-            self._batch_step = jax.jit(batch_step, static_argnames=("kv_len",),
-                                       donate_argnames=("caches",))
-        return self._batch_step(self.state, jnp.asarray(tokens, jnp.int32), caches,
-                                jnp.asarray(positions), kv_len=kv_len)
+        return _batch_step(self.state, jnp.asarray(tokens, jnp.int32), caches,
+                           jnp.asarray(positions), kv_len=kv_len, **self._static)

@@ -4,12 +4,13 @@ sequence (model.runner.ModelRunner(model, mesh=...) with mesh "sequence" > 1).
 Layout: the KV cache is split along positions over the "sequence" axis (shard s owns
 positions [s * C / S, (s + 1) * C / S)); indexer keys and block summaries are replicated
 (written from the chunk's all-gathered new keys, so every shard scores every earlier
-token). Inside one shard_map over the mesh, per sparse layer:
-  1. selection: each sequence shard selects the top_k tokens of its own queries (flat or
-     hierarchical, over the replicated indexer keys), in zigzag order for causal balance
-     (shard s takes query pieces s and 2S - 1 - s of the chunk), then the indices are
-     all-gathered (T x top_k int32);
-  2. distributed sparse attention: every shard computes, for all T queries of the chunk,
+token). Per sparse layer, two shard_maps over the mesh:
+  1. `select`: each sequence shard selects the top_k tokens of its own queries (any
+     selection kind, over the replicated indexer keys), in zigzag order for causal balance
+     (shard s takes query pieces s and 2S - 1 - s of the chunk, whole query tiles of the
+     kind: indexer.selection), then the indices are all-gathered (T x top_k int32); a
+     shared layer (indexer_types) skips this and reuses its full layer's indices;
+  2. `sparse_attention`, distributed: every shard computes, for all T queries of the chunk,
      softmax partials over the selected tokens *it owns* (a pmax of the row maxima, then
      psums of the exp-sums and the weighted values): the KV rows never move, only
      T x H x (Dv + 1) partials do.
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from indexer.selection import selection_kind
 from model.attention import select_tokens
 
 try:  # jax >= 0.7 (the 0.11 GPU hosts and 0.12 here) export it at the top level.
@@ -133,66 +135,74 @@ class SequenceParallel:
                         out_specs=(kv_spec, kv_spec), check_vma=False)
         return fn(k_cache, v_cache, k_new, v_new, jnp.asarray(start, jnp.int32))
 
-    def sparse_attention(self, config, layer, q, q_index, w_index, cache, start, kv_len,
-                         screen=None):
-        """A sparse layer's selection and attention over a sequence-sharded cache.
+    def select(self, config, layer, q_index, w_index, k_index, *, q_offset, summaries=None,
+               screen=None):
+        """Layer `layer`'s selection with the chunk's queries split over the sequence axis
+        -> i32[T, top_k], whole on every shard and equal to model.attention.select_tokens.
 
-        q: [T, H, D] (RoPE applied); q_index [T, H_I, d_I], w_index [T, H_I]; cache: the
-        layer's LayerCache with this chunk already written (k, v [C, H_kv, D] split over
-        the sequence axis; k_index [C, d_I] and summaries replicated); start: position of
-        query 0; kv_len: static, keys [0, kv_len) are visible; screen: the layer's coarse
-        screen (indexer.ScreenParams, replicated) or None. -> (out [T, H, Dv] in q's
-        dtype, indices i32[T, top_k]), equal to the single-device path.
-        """
-        T = q.shape[0]
-        S, seq, ten = self.shards, self.sequence_axis, self.tensor_axis
-        kind = config.layer_indexer(layer)
-        tile = min(config.hierarchical.query_tile, T) if kind == "hierarchical" else 1
+        q_index [T, H_I, d_I], w_index [T, H_I]; k_index [kv_len, d_I] and summaries
+        replicated; q_offset: position of query 0; screen: the layer's coarse screen
+        (indexer.ScreenParams, replicated) or None."""
+        T = q_index.shape[0]
+        S, seq = self.shards, self.sequence_axis
+        kind = selection_kind(config.layer_indexer(layer))
+        tile = kind.query_tile(config.layer_hierarchical(config.selection_source(layer)), T)
         split, piece = query_split(T, S, tile)
-        summaries = cache.summaries
-        n_sum = 0 if summaries is None else len(summaries)
-        # screen only when given: select_tokens takes it as a keyword when it is used.
-        extra = {} if screen is None else {"screen": screen}
+        groups = tuple(g for g in (summaries, screen) if g is not None)
 
-        def body(q, q_index, w_index, k_index, k_local, v_local, start, *rest):
-            sums = type(summaries)(*rest[:n_sum]) if n_sum else None
-            kw = {"screen": type(screen)(*rest[n_sum:])} if extra else {}
+        def body(q_index, w_index, k_index, start, *rest):
+            rest = list(rest)
+            sums = type(summaries)(*[rest.pop(0) for _ in summaries]) if summaries is not None \
+                else None
+            scr = type(screen)(*rest) if screen is not None else None
             s = jax.lax.axis_index(seq)
 
             def select(offset, n):
                 rows = (jax.lax.dynamic_slice_in_dim(q_index, offset, n, 0),
                         jax.lax.dynamic_slice_in_dim(w_index, offset, n, 0))
-                return select_tokens(config, *rows, k_index, q_offset=start + offset,
-                                     summaries=sums, layer=layer, **kw)
+                return select_tokens(config, layer, *rows, k_index, q_offset=start + offset,
+                                     summaries=sums, screen=scr)
 
             if split == "replicated":
-                indices = select(0, T)
-            elif split == "contiguous":
-                indices = jax.lax.all_gather(select(s * piece, piece), seq, tiled=True)
-            else:
-                mine = jnp.concatenate([select(s * piece, piece),
-                                        select((2 * S - 1 - s) * piece, piece)])
-                got = jax.lax.all_gather(mine, seq)  # [S, 2 * piece, K]: pieces s, 2S-1-s
-                K = got.shape[-1]
-                indices = jnp.concatenate([got[:, :piece].reshape(-1, K),
-                                           got[::-1, piece:].reshape(-1, K)])
-            base = s * k_local.shape[0]
-            logits, values = partial_attention(q, k_local, v_local, indices, base)
-            out = combine_partials(logits, values, seq, scatter=scatter)
-            return out.astype(q.dtype), indices
+                return select(0, T)
+            if split == "contiguous":
+                return jax.lax.all_gather(select(s * piece, piece), seq, tiled=True)
+            mine = jnp.concatenate([select(s * piece, piece),
+                                    select((2 * S - 1 - s) * piece, piece)])
+            got = jax.lax.all_gather(mine, seq)  # [S, 2 * piece, K]: pieces s, 2S-1-s
+            K = got.shape[-1]
+            return jnp.concatenate([got[:, :piece].reshape(-1, K),
+                                    got[::-1, piece:].reshape(-1, K)])
 
-        # Split output rows (reduce-scatter) when they divide: activations are split too.
-        scatter = T % S == 0
-        kv_spec = P(seq, ten, None)
-        args = (q, q_index, w_index, cache.k_index[:kv_len], cache.k, cache.v,
-                jnp.asarray(start, jnp.int32))
-        specs = (P(None, ten, None), P(), P(), P(), kv_spec, kv_spec, P())
-        for group in ((summaries,) if n_sum else ()) + ((screen,) if extra else ()):
+        args = (q_index, w_index, k_index, jnp.asarray(q_offset, jnp.int32))
+        for group in groups:
             args += tuple(group)
-            specs += (P(),) * len(group)
         # check_vma=False: the selection may run Pallas kernels (GPU), which carry no
         # varying-manual-axes annotations.
-        fn = _shard_map(body, mesh=self.mesh, in_specs=specs,
-                        out_specs=(P(seq if scatter else None, ten, None), P()),
+        fn = _shard_map(body, mesh=self.mesh, in_specs=(P(),) * len(args), out_specs=P(),
                         check_vma=False)
         return fn(*args)
+
+    def sparse_attention(self, q, k_cache, v_cache, indices):
+        """Sparse attention over a sequence-sharded cache: each shard's softmax partials over
+        the selected tokens it owns, combined (the KV rows never move).
+
+        q: [T, H, D] (RoPE applied); k_cache, v_cache: [C, H_kv, D] split over (sequence,
+        tensor), with this chunk already written; indices: i32[T, top_k] global positions,
+        replicated (from `select`). -> out [T, H, Dv] in q's dtype, equal to the
+        single-device path."""
+        T = q.shape[0]
+        S, seq, ten = self.shards, self.sequence_axis, self.tensor_axis
+        # Split output rows (reduce-scatter) when they divide: activations are split too.
+        scatter = T % S == 0
+
+        def body(q, k_local, v_local, indices):
+            base = jax.lax.axis_index(seq) * k_local.shape[0]
+            logits, values = partial_attention(q, k_local, v_local, indices, base)
+            return combine_partials(logits, values, seq, scatter=scatter).astype(q.dtype)
+
+        kv_spec = P(seq, ten, None)
+        fn = _shard_map(body, mesh=self.mesh,
+                        in_specs=(P(None, ten, None), kv_spec, kv_spec, P()),
+                        out_specs=P(seq if scatter else None, ten, None), check_vma=False)
+        return fn(q, k_cache, v_cache, indices)

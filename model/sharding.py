@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-MESH_AXES = ("data", "sequence", "tensor")
+from model.parallel_flags import MESH_AXES, distributed_settings, parse_mesh
 
 # Logical dimension name -> mesh axis (None: replicated).
 LOGICAL_RULES = {
@@ -59,40 +59,6 @@ PARAM_RULES = (
     # whatever rank (None: replicated).
     (r"coarse_screen/", None),
 )
-
-# Cache field -> logical axes (one sequence's LayerCache; a batched cache adds "batch").
-CACHE_AXES = {
-    "k": ("cache_seq", "kv_heads", "head_dim"),
-    "v": ("cache_seq", "kv_heads", "head_dim"),
-    "k_index": ("index_cache_seq", "index_dim"),
-    "summaries": ("blocks",),  # every field: blocks first, the rest replicated
-}
-
-
-def parse_mesh(text):
-    """'sequence=4,tensor=2' -> {"data": 1, "sequence": 4, "tensor": 2} (missing axes: 1).
-    ValueError naming --mesh on a malformed string, an unknown axis or a size < 1."""
-    sizes = dict.fromkeys(MESH_AXES, 1)
-    if not isinstance(text, str) or not text.strip():
-        raise ValueError(f"--mesh must be 'axis=size,...' with axes from {MESH_AXES}, "
-                         f"got {text!r}")
-    seen = set()
-    for part in text.split(","):
-        m = re.fullmatch(r"\s*([a-z]+)\s*=\s*(\d+)\s*", part)
-        if not m:
-            raise ValueError(f"--mesh: {part!r} is not 'axis=size' (axes {MESH_AXES}, "
-                             f"sizes >= 1), in {text!r}")
-        axis, size = m.group(1), int(m.group(2))
-        if axis not in MESH_AXES:
-            raise ValueError(f"--mesh: unknown axis {axis!r}; allowed: {MESH_AXES}")
-        if axis in seen:
-            raise ValueError(f"--mesh: axis {axis!r} given twice in {text!r}")
-        if size < 1:
-            raise ValueError(f"--mesh: {axis} size must be >= 1, got {size}")
-        seen.add(axis)
-        sizes[axis] = size
-    return sizes
-
 
 def make_mesh(shape, devices=None):
     """A Mesh with axes MESH_AXES (Auto axis types: GSPMD propagates shardings).
@@ -176,20 +142,6 @@ def param_specs(state):
         lambda path, x: logical_to_spec(param_axes(path, np.ndim(x))), state)
 
 
-def cache_specs(cache, *, batched=False):
-    """PartitionSpecs for a list of LayerCache (batched: leading "batch" axis)."""
-    lead = ("batch",) if batched else ()
-
-    def layer(c):
-        summaries = None if c.summaries is None else type(c.summaries)(*(
-            logical_to_spec(lead + CACHE_AXES["summaries"] + (None,) * (f.ndim - 1 - len(lead)))
-            for f in c.summaries))
-        return type(c)(*(logical_to_spec(lead + CACHE_AXES[n]) for n in ("k", "v", "k_index")),
-                       summaries)
-
-    return [layer(c) for c in cache]
-
-
 def named(mesh, specs):
     """PartitionSpecs -> NamedShardings on `mesh`."""
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
@@ -244,76 +196,7 @@ def current_mesh():
     return _MESH[-1] if _MESH else None
 
 
-def cache_shapes(config, capacity, mesh):
-    """ShapeDtypeStructs of init_sharded_cache's result, shardings included (to compile
-    steps without allocating a cache)."""
-    from model.transformer import init_cache
-
-    shapes = jax.eval_shape(lambda: init_cache(config, capacity))
-    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                        shapes, named(mesh, cache_specs(shapes)))
-
-
-def init_sharded_cache(config, capacity, mesh):
-    """Zeroed caches (model.transformer.init_cache) created directly on their shardings:
-    no device ever holds the whole KV cache. ValueError unless sequence divides capacity."""
-    from model.transformer import init_cache  # model.transformer never imports this module
-
-    check_capacity(mesh, capacity)
-    shapes = jax.eval_shape(lambda: init_cache(config, capacity))
-    return jax.jit(lambda: init_cache(config, capacity),
-                   out_shardings=named(mesh, cache_specs(shapes)))()
-
-
 # ---------------------------------------------------------------- several processes / hosts
-
-DISTRIBUTED_ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS",
-                   "num_processes": "JAX_NUM_PROCESSES", "process_id": "JAX_PROCESS_ID"}
-
-
-def add_parallel_arguments(parser):
-    """--mesh and the jax.distributed flags, shared by experiments.run and serving."""
-    parser.add_argument("--mesh", default=None, metavar="AXIS=N,...",
-                        help=f"device mesh, axes {', '.join(MESH_AXES)} (e.g. sequence=4,"
-                             "tensor=2; product = all devices of all processes); default: "
-                             "one device")
-    parser.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
-                        help="jax.distributed coordinator (process 0's host); default "
-                             "$JAX_COORDINATOR_ADDRESS")
-    parser.add_argument("--num-processes", type=int, default=None,
-                        help="processes in the job (default $JAX_NUM_PROCESSES, else 1)")
-    parser.add_argument("--process-id", type=int, default=None,
-                        help="this process's rank in [0, num-processes) "
-                             "(default $JAX_PROCESS_ID)")
-
-
-def distributed_settings(coordinator_address=None, num_processes=None, process_id=None,
-                         environ=None):
-    """(coordinator_address, num_processes, process_id), flags first, then the environment
-    (DISTRIBUTED_ENV); num_processes defaults to 1. ValueError naming the flag when
-    several processes lack a coordinator or a valid process id."""
-    import os
-
-    env = os.environ if environ is None else environ
-    address = coordinator_address or env.get(DISTRIBUTED_ENV["coordinator_address"]) or None
-    try:
-        count = int(num_processes if num_processes is not None
-                    else env.get(DISTRIBUTED_ENV["num_processes"], 1))
-        pid = process_id if process_id is not None else env.get(DISTRIBUTED_ENV["process_id"])
-        pid = None if pid is None else int(pid)
-    except ValueError as e:
-        raise ValueError(f"--num-processes / --process-id must be ints: {e}") from None
-    if count < 1:
-        raise ValueError(f"--num-processes must be >= 1, got {count}")
-    if count > 1:
-        if not address:
-            raise ValueError("--coordinator-address (or $JAX_COORDINATOR_ADDRESS) is required "
-                             f"with --num-processes={count}")
-        if pid is None or not 0 <= pid < count:
-            raise ValueError(f"--process-id must be in [0, {count - 1}] with "
-                             f"--num-processes={count}, got {pid}")
-    return address, count, pid
-
 
 def initialize_distributed(coordinator_address=None, num_processes=None, process_id=None):
     """jax.distributed.initialize from flags or the environment, when more than one process
@@ -326,7 +209,7 @@ def initialize_distributed(coordinator_address=None, num_processes=None, process
 
 
 def mesh_from_args(args):
-    """initialize_distributed + make_mesh from add_parallel_arguments' flags -> Mesh or
+    """initialize_distributed + make_mesh from model.parallel_flags' flags -> Mesh or
     None (no --mesh: one device). ValueError on bad flags."""
     initialize_distributed(args.coordinator_address, args.num_processes, args.process_id)
     return None if args.mesh is None else make_mesh(args.mesh)

@@ -12,16 +12,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 import pallas_kernels
-from indexer import BlockSummaryCache, CoarseScreen, LightningIndexer
-from indexer.block_summaries import append as append_summaries
-from indexer.block_summaries import empty_summaries, num_blocks
+from indexer.module import CoarseScreen, LightningIndexer
 from model.attention import Attention, dense_causal_attention, select_tokens
+from model.cache import init_cache, write_index, write_rows
 from model.layers import RMSNorm, SwiGLU
 
 # What a pass can capture, per layer, for the T queries of the call:
 #   "indexer":          IndexerInputs(q [T, H_I, d_I], w f32[T, H_I], k [T, d_I]) - the
 #                       indexer's outputs for the call's tokens (differentiable w.r.t. the
-#                       indexer's parameters; its input is detached from the residual stream)
+#                       indexer's parameters; its input is detached from the residual stream);
+#                       on a shared layer (indexer_types) those of the full layer whose
+#                       selection it attends to, so a KL on it trains that indexer for both
 #   "attention_target": f32[T, kv_len], the dense attention probabilities summed over heads
 #                       and L1-normalised per query (the indexer warm-up's KL target;
 #                       attention="dense" only)
@@ -35,33 +36,6 @@ class IndexerInputs(NamedTuple):
     q: jax.Array
     w: jax.Array
     k: jax.Array
-
-
-class LayerCache(NamedTuple):
-    """One layer's cache, `capacity` positions long.
-
-    k: [C, H_kv, D], v: [C, H_kv, D] (main attention), k_index: [C, d_I] (indexer keys),
-    summaries: BlockSummaryCache of k_index in blocks of config.hierarchical.block_size
-    (ceil(C / B) blocks), extended as keys are written (append-only: a cache reused from
-    position p must hold exactly the tokens before p, see indexer.block_summaries.truncate);
-    None: not maintained (the hierarchical indexer then rebuilds them from k_index).
-    """
-
-    k: jax.Array
-    v: jax.Array
-    k_index: jax.Array
-    summaries: BlockSummaryCache | None = None
-
-
-def init_cache(config, capacity):
-    """Zeroed caches for every layer, `capacity` positions long."""
-    dtype = jnp.dtype(config.dtype)
-    shape_kv = (capacity, config.n_kv_heads, config.head_dim)
-    n_blocks = num_blocks(capacity, config.hierarchical.block_size)
-    return [LayerCache(jnp.zeros(shape_kv, dtype), jnp.zeros(shape_kv, dtype),
-                       jnp.zeros((capacity, config.index_dim), dtype),
-                       empty_summaries(n_blocks, config.index_dim))
-            for _ in range(config.n_layers)]
 
 
 def check_capture(config, capture):
@@ -80,75 +54,81 @@ def check_capture(config, capture):
     return capture
 
 
-def _write(cache_array, new, start):
-    return jax.lax.dynamic_update_slice_in_dim(cache_array, new.astype(cache_array.dtype), start, 0)
-
-
 class DecoderBlock(nnx.Module):
-    """Pre-norm block: x + Attn(norm(x)) with DSA selection, then x + MLP(norm(x))."""
+    """Pre-norm block: x + Attn(norm(x)) with DSA selection, then x + MLP(norm(x)).
+
+    A layer that is "shared" in config.indexer_types has no indexer (and no coarse screen):
+    it attends to the selection the nearest earlier full layer hands it."""
 
     def __init__(self, config, *, layer, rngs):
         dtype = jnp.dtype(config.dtype)
         self.config = config
-        self.layer = layer  # index in the stack, for config.flat_index_layers
+        self.layer = layer  # index in the stack, for the config's per-layer switches
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.attn = Attention(config, rngs=rngs, dtype=dtype)
-        self.indexer = LightningIndexer(config.d_model, config.index_heads, config.index_dim,
-                                        config.index_rope_dim, rope_theta=config.rope_theta,
-                                        rope_scaling=config.indexer_rope_scaling, dtype=dtype,
-                                        rngs=rngs)
-        # The hierarchical indexer's learned coarse screen (HierarchicalConfig.coarse =
-        # "learned"); present in every block, so run-time switches never change the graph.
-        self.coarse_screen = CoarseScreen(config.index_heads, config.index_dim)
+        if config.layer_is_shared(layer):
+            self.indexer = self.coarse_screen = None
+        else:
+            self.indexer = LightningIndexer(config.d_model, config.index_heads,
+                                            config.index_dim, config.index_rope_dim,
+                                            rope_theta=config.rope_theta,
+                                            rope_scaling=config.indexer_rope_scaling,
+                                            dtype=dtype, rngs=rngs)
+            # The hierarchical indexer's learned coarse screen (HierarchicalConfig.coarse =
+            # "learned"); in every full block, so run-time switches never change the graph.
+            self.coarse_screen = CoarseScreen(config.index_heads, config.index_dim)
         self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.mlp = SwiGLU(config.d_model, config.d_ff, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, cache, start, kv_len, n_valid=None, capture=(), parallel=None):
+    def __call__(self, x, cache, start, kv_len, n_valid=None, capture=(), parallel=None,
+                 handoff=None):
         """x: [T, d_model] at positions start.. ; keys read from cache[:kv_len].
 
-        Returns (x_out, new_cache, captured): captured maps each kind in `capture` (see
-        CAPTURE_KINDS; checked by the Transformer) to this layer's value. kv_len is static;
-        positions past start + T inside it hold stale or zero entries, which the causal
-        mask hides. n_valid (traced is fine): only the first n_valid rows are real tokens
-        (a padded prefill chunk); the rest are written to the key caches (later
-        overwritten) but kept out of the block summaries. Default T. parallel: None, or a
-        model.sequence_parallel.SequenceParallel whose sparse_attention replaces this
-        layer's selection + sparse attention (a sequence-sharded cache; same results).
+        Returns (x_out, new_cache, captured, handoff): captured maps each kind in `capture`
+        (see CAPTURE_KINDS; checked by the Transformer) to this layer's value; handoff is
+        (IndexerInputs, indices or None) of the selection this layer attended to, which the
+        following shared layers reuse (the `handoff` argument: ignored by a full layer).
+        kv_len is static; positions past start + T inside it hold stale or zero entries,
+        which the causal mask hides. n_valid (traced is fine): only the first n_valid rows
+        are real tokens (a padded prefill chunk); the rest are written to the key caches
+        (later overwritten) but kept out of the block summaries. Default T. parallel: None,
+        or a model.sequence_parallel.SequenceParallel (a sequence-sharded cache: its
+        selection and sparse attention replace this layer's; same results).
         """
+        config = self.config
         T = x.shape[0]
         positions = start + jnp.arange(T)
         h = self.attn_norm(x)
         q, k, v = self.attn.project(h, positions)
-        # The indexer learns only from its own loss (DSA): its input is detached.
-        q_index, w_index, k_index = self.indexer(jax.lax.stop_gradient(h), positions)
-        if parallel is not None:  # every shard scores every key: all-gather the new ones
-            k_index = parallel.replicate(k_index)
-        k_index_cache = _write(cache.k_index, k_index, start)
-        summaries = cache.summaries
-        if summaries is not None:
-            summaries = append_summaries(
-                summaries, k_index, start, block_size=self.config.hierarchical.block_size,
-                n_valid=n_valid, keys=k_index_cache)
         if parallel is None:
-            k_cache, v_cache = _write(cache.k, k, start), _write(cache.v, v, start)
+            cache = cache.replace(k=write_rows(cache.k, k, start), v=write_rows(cache.v, v, start))
         else:  # the cache is split over positions: each shard writes its own rows
-            k_cache, v_cache = parallel.write_kv(cache.k, cache.v, k, v, start)
-        cache = LayerCache(k_cache, v_cache, k_index_cache, summaries)
+            cache = cache.replace(**dict(zip("kv", parallel.write_kv(cache.k, cache.v, k, v,
+                                                                    start))))
+        if self.indexer is None:
+            inputs, indices = handoff
+        else:
+            # The indexer learns only from its own loss (DSA): its input is detached.
+            inputs = IndexerInputs(*self.indexer(jax.lax.stop_gradient(h), positions))
+            if parallel is not None:  # every shard scores every key: all-gather the new ones
+                inputs = inputs._replace(k=parallel.replicate(inputs.k))
+            cache = write_index(cache, inputs.k, start,
+                                block_size=config.hierarchical.block_size, n_valid=n_valid)
+            indices = None
+            if config.layer_needs_selection(self.layer):
+                select = select_tokens if parallel is None else parallel.select
+                indices = select(config, self.layer, inputs.q, inputs.w,
+                                 cache.k_index[:kv_len], q_offset=start,
+                                 summaries=cache.summaries, screen=self.coarse_screen.params())
         captured = {}
         if "indexer" in capture:
-            captured["indexer"] = IndexerInputs(q_index, w_index, k_index)
+            captured["indexer"] = inputs
         keys, values = cache.k[:kv_len], cache.v[:kv_len]
-        if self.config.layer_is_sparse(self.layer) and parallel is not None:
-            out, indices = parallel.sparse_attention(self.config, self.layer, q, q_index,
-                                                     w_index, cache, start, kv_len,
-                                                     screen=self.coarse_screen.params())
-            if "indices" in capture:
-                captured["indices"] = indices
-        elif self.config.layer_is_sparse(self.layer):
-            indices = select_tokens(self.config, q_index, w_index, cache.k_index[:kv_len],
-                                    q_offset=start, summaries=summaries, layer=self.layer,
-                                    screen=self.coarse_screen.params())
-            out = pallas_kernels.sparse_attention(q, keys, values, indices)
+        if config.layer_is_sparse(self.layer):
+            if parallel is None:
+                out = pallas_kernels.sparse_attention(q, keys, values, indices)
+            else:
+                out = parallel.sparse_attention(q, cache.k, cache.v, indices)
             if "indices" in capture:
                 captured["indices"] = indices
         elif "attention_target" in capture:
@@ -158,14 +138,14 @@ class DecoderBlock(nnx.Module):
         else:
             out = dense_causal_attention(q, keys, values, q_offset=start)
             if "indices" in capture:
-                captured["indices"] = jnp.full((T, self.config.top_k), -1, jnp.int32)
+                captured["indices"] = jnp.full((T, config.top_k), -1, jnp.int32)
         x = x + self.attn.output(out)
         x = x + self.mlp(self.mlp_norm(x))
-        return x, cache, captured
+        return x, cache, captured, (inputs, indices)
 
 
-def _block_call(block, x, cache, start, kv_len, n_valid, capture, parallel):
-    return block(x, cache, start, kv_len, n_valid, capture, parallel)
+def _block_call(block, x, cache, start, kv_len, n_valid, capture, parallel, handoff):
+    return block(x, cache, start, kv_len, n_valid, capture, parallel, handoff)
 
 
 # Rematerialised block for training memory: one block's activations alive at a time.
@@ -201,9 +181,10 @@ class Transformer(nnx.Module):
         x = self.embed(tokens)
         new_cache = []
         captured = {kind: [] for kind in kinds}
+        handoff = None
         for layer, layer_cache in zip(self.layers, cache):
-            x, layer_cache, layer_captured = call(layer, x, layer_cache, start, kv_len, n_valid,
-                                                  kinds, parallel)
+            x, layer_cache, layer_captured, handoff = call(layer, x, layer_cache, start, kv_len,
+                                                           n_valid, kinds, parallel, handoff)
             new_cache.append(layer_cache)
             for kind in kinds:
                 captured[kind].append(layer_captured[kind])
@@ -224,8 +205,19 @@ class Transformer(nnx.Module):
 
 def with_config(model, config):
     """The same weights under other run-time switches (attention, indexer, top_k,
-    rope_scaling...): a Transformer sharing `model`'s parameter arrays."""
+    rope_scaling, indexer_types...): a Transformer sharing `model`'s parameter arrays.
+
+    Making a layer "shared" drops its indexer (and coarse screen); making a shared layer
+    full needs indexer weights `model` does not have: ValueError naming them."""
     other = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-    graphdef, _ = nnx.split(other)
+    graphdef, wanted = nnx.split(other)
     _, state = nnx.split(model)
-    return nnx.merge(graphdef, state)
+    have = dict(nnx.to_flat_state(state))
+    missing = [path for path, _ in nnx.to_flat_state(wanted) if path not in have]
+    if missing:
+        names = sorted({"/".join(map(str, path[:3])) for path in missing})
+        raise ValueError(f"with_config: the new config needs weights the model does not have "
+                         f"({names}): a layer that is shared in the model's indexer_types "
+                         "has no indexer to run")
+    kept = nnx.from_flat_state([(path, have[path]) for path, _ in nnx.to_flat_state(wanted)])
+    return nnx.merge(graphdef, kept)

@@ -16,6 +16,7 @@ import os
 import pathlib
 import sys
 
+from model.parallel_flags import add_parallel_arguments, distributed_settings, parse_mesh
 from serving.config import DEFAULT_CONFIG, load_config
 
 
@@ -28,19 +29,7 @@ def parse_args(argv):
     parser.add_argument("--host")
     parser.add_argument("--api-key", help="require this Bearer token (default: $DOSA_API_KEY)")
     parser.add_argument("--max-context", type=int, help="override the config's max_context")
-    # model.sharding.add_parallel_arguments' flags, spelled out: importing `model` here
-    # would import JAX (and configure logging) before main() sets either up.
-    parser.add_argument("--mesh", default=None, metavar="AXIS=N,...",
-                        help="device mesh, axes data, sequence, tensor (e.g. sequence=2,"
-                             "tensor=2; product = every device of every process); default: "
-                             "one device")
-    parser.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
-                        help="jax.distributed coordinator (default $JAX_COORDINATOR_ADDRESS)")
-    parser.add_argument("--num-processes", type=int, default=None,
-                        help="processes in the job (default $JAX_NUM_PROCESSES, else 1); "
-                             "process 0 serves HTTP, the others follow it (needs --mesh)")
-    parser.add_argument("--process-id", type=int, default=None,
-                        help="this process's rank (default $JAX_PROCESS_ID)")
+    add_parallel_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -48,8 +37,6 @@ def check_parallel_flags(args):
     """Validates --mesh and the jax.distributed flags without starting JAX -> number of
     processes. ValueError naming the flag: malformed values, or several processes without
     a --mesh (their devices must form one mesh)."""
-    from model.sharding import distributed_settings, parse_mesh
-
     _, processes, _ = distributed_settings(args.coordinator_address, args.num_processes,
                                            args.process_id)
     if args.mesh is not None:

@@ -12,10 +12,10 @@ import pathlib
 import yaml
 
 from indexer.config import COARSE_KINDS, FrozenConfig
+from indexer.selection import selection_names
+from model.config import ATTENTION_KINDS, normalize_indexer_types
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "default.yaml"
-ATTENTION_KINDS = ("sparse", "dense")
-INDEXER_KINDS = ("flat", "hierarchical")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +28,9 @@ class ServingConfig(FrozenConfig):
     model_version: label on every metric and the id clients send as "model" (None: derived
       from the model).
     attention, indexer, top_k: the model's run-time switches.
+    indexer_types: per-layer selection reuse (ModelConfig.indexer_types: a list of "full" /
+      "shared", a pattern "FFSS...", or {index_topk_freq, index_skip_topk_offset}); shared
+      layers skip their indexer and its key cache. None: the model's own.
     coarse_threshold (COARSE_THRESHOLD): fraction of the visible key blocks the hierarchical
       indexer's coarse stage keeps (HierarchicalConfig.coarse_keep_ratio); candidate_tokens:
       the alternative budget in tokens. Set at most one of them.
@@ -59,6 +62,7 @@ class ServingConfig(FrozenConfig):
     attention: str | None = None
     indexer: str | None = None
     top_k: int | None = None
+    indexer_types: object = None
     coarse_threshold: float | None = None
     candidate_tokens: int | None = None
     coarse: str | None = None
@@ -108,8 +112,15 @@ class ServingConfig(FrozenConfig):
                 fail(name, "null or a non-empty string")
         if self.attention is not None and self.attention not in ATTENTION_KINDS:
             fail("attention", f"null or one of {ATTENTION_KINDS}")
-        if self.indexer is not None and self.indexer not in INDEXER_KINDS:
-            fail("indexer", f"null or one of {INDEXER_KINDS}")
+        served = selection_names(served=True)
+        if self.indexer is not None and self.indexer not in served:
+            fail("indexer", f"null or one of {served}")
+        if self.indexer_types is not None:
+            # The spelling only: its length is checked against the model when it loads.
+            try:
+                normalize_indexer_types(self.indexer_types, None)
+            except ValueError as e:
+                raise ValueError(f"serving config: {e}".replace("ModelConfig.", "")) from None
         check_int("port", 0, 65535)
         check_int("top_k", 1, optional=True)
         check_number("coarse_threshold", 0.0, 1.0, lo_open=True, optional=True)
@@ -136,7 +147,8 @@ class ServingConfig(FrozenConfig):
 
     def model_overrides(self):
         """The model's run-time switches this config sets (ModelConfig fields)."""
-        out = {name: getattr(self, name) for name in ("attention", "indexer", "top_k")
+        out = {name: getattr(self, name) for name in ("attention", "indexer", "top_k",
+                                                      "indexer_types")
                if getattr(self, name) is not None}
         if self.prefill_chunk is not None:
             out["prefill_chunk"] = self.prefill_chunk

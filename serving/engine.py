@@ -7,10 +7,11 @@ one shape: one set of compiled prefill steps and one batched decode step per key
 bucket, all compiled by `warmup` before the server reports ready.
 
 On a mesh (Engine(..., mesh=...)) the runner is sharded and every cache the engine makes is
-placed by model.sharding's rules: prefill caches and prefix copies by `cache_specs`, the
-decode slots by `cache_specs(batched=True)`; what the host reads (sampled tokens, the
-prefix cache's copies) comes back replicated, so every process of a jax.distributed job can
-read it. Several processes must run the same calls in the same order: serving.follower.
+placed by the cache's own specs (model.cache): prefill caches and prefix copies by
+`cache_specs` / `prefix_specs`, the decode slots by `cache_specs(batched=True)`; what the
+host reads (sampled tokens, the prefix cache's copies) comes back replicated, so every
+process of a jax.distributed job can read it. Several processes must run the same calls in
+the same order: serving.follower.
 """
 
 import dataclasses
@@ -20,17 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import LayerCache, ModelRunner, init_cache, length_bucket, sharding
+from model import cache as layer_cache
+from model import sharding
+from model.buckets import length_bucket, prefill_shapes
+from model.cache import init_cache
+from model.runner import ModelRunner
 from model.sampling import sample_token
 from serving.prefix_cache import Block
 
 log = logging.getLogger("serving.engine")
-
-KV_FIELDS = ("k", "v")
-TOKEN_FIELDS = ("k", "v", "k_index")
-SUMMARY_FIELDS = ("sum", "count", "min", "max", "radius")
-# What an empty block summary holds (indexer.block_summaries.empty_summaries).
-EMPTY_SUMMARY = dict(sum=0.0, count=0, min=np.inf, max=-np.inf, radius=np.inf)
 
 
 def _sample_batch(logits, seeds, steps, temperatures, top_ps):
@@ -50,17 +49,6 @@ def _sample_first(logits, seeds, steps, temperatures, top_ps):
 
 def _put_slot(slots, cache, index):
     return jax.tree.map(lambda s, c: s.at[index].set(c), slots, cache)
-
-
-def _take_prefix(cache, length, block_size):
-    """{field: array stacked over layers} of the first `length` positions (static): token
-    fields [n_layers, length, ...], summary fields [n_layers, ceil(length / B), ...]."""
-    blocks = -(-length // block_size)
-    out = {name: jnp.stack([getattr(c, name)[:length] for c in cache])
-           for name in TOKEN_FIELDS}
-    out.update({name: jnp.stack([getattr(c.summaries, name)[:blocks] for c in cache])
-                for name in SUMMARY_FIELDS})
-    return out
 
 
 @dataclasses.dataclass
@@ -99,7 +87,7 @@ class Engine:
         self.n_slots = slots
         self.chunk = prefill_chunk or self.config.prefill_chunk
         self.prefix_cache = prefix_cache
-        block = self.config.hierarchical.block_size
+        self.block_size = block = self.config.hierarchical.block_size
         if prefix_cache is not None and prefix_cache.block_tokens % block:
             raise ValueError(f"serving config: cache_block_tokens ({prefix_cache.block_tokens})"
                              f" must be a multiple of the indexer's block size ({block})")
@@ -110,8 +98,8 @@ class Engine:
             self.device = jax.devices()[0]
             self.reset_slots()
             self._put_slot = jax.jit(_put_slot, donate_argnums=0)
-            self._take_prefix = jax.jit(_take_prefix, static_argnums=(1, 2))
-            self._with_prefix = jax.jit(self._cache_with_prefix, static_argnums=(1, 2))
+            self._take_prefix = jax.jit(layer_cache.take_prefix, static_argnums=(1, 2))
+            self._with_prefix = jax.jit(self._cache_with_prefix)
             self._sample, self._sample_one, self._xp = sample_batch, None, jnp
             return
         self._init_mesh(mesh)
@@ -128,13 +116,14 @@ class Engine:
         whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         one = jax.eval_shape(lambda: init_cache(self.config, self.capacity))
         batched = jax.eval_shape(lambda: self._empty_slots())
-        self._cache_shardings = sharding.named(mesh, sharding.cache_specs(one))
-        self._slot_shardings = sharding.named(mesh, sharding.cache_specs(batched, batched=True))
+        self._cache_shardings = sharding.named(mesh, layer_cache.cache_specs(one))
+        self._slot_shardings = sharding.named(mesh, layer_cache.cache_specs(batched,
+                                                                            batched=True))
         self.reset_slots()
         self._put_slot = jax.jit(_put_slot, donate_argnums=0, out_shardings=self._slot_shardings)
-        self._take_prefix = jax.jit(_take_prefix, static_argnums=(1, 2), out_shardings=whole)
-        self._with_prefix = jax.jit(self._cache_with_prefix, static_argnums=(1, 2),
-                                    out_shardings=self._cache_shardings)
+        self._take_prefix = jax.jit(layer_cache.take_prefix, static_argnums=(1, 2),
+                                    out_shardings=whole)
+        self._with_prefix = jax.jit(self._cache_with_prefix, out_shardings=self._cache_shardings)
         # Sampling inputs go in as host arrays (placed by jit, the same on every process).
         self._sample = jax.jit(_sample_batch, out_shardings=whole)
         self._sample_one = jax.jit(_sample_first, out_shardings=whole)
@@ -184,55 +173,35 @@ class Engine:
         if not missing:
             return
         end = (missing[-1] + 1) * pc.block_tokens
-        block = self.config.hierarchical.block_size
-        fields = jax.device_get(self._take_prefix(
-            state.cache, min(self.capacity, length_bucket(end)), block))
-        per_block = pc.block_tokens // block
+        prefix = jax.device_get(self._take_prefix(
+            state.cache, min(self.capacity, length_bucket(end)), self.block_size))
         blocks = {}
         for i in missing:
-            rows = slice(i * pc.block_tokens, (i + 1) * pc.block_tokens)
-            sums = slice(i * per_block, (i + 1) * per_block)
-            blocks[i] = Block(
-                kv={name: fields[name][:, rows].copy() for name in KV_FIELDS},
-                index={"k_index": fields["k_index"][:, rows].copy(),
-                       **{name: fields[name][:, sums].copy() for name in SUMMARY_FIELDS}})
+            piece = layer_cache.slice_prefix(prefix, i * pc.block_tokens,
+                                             (i + 1) * pc.block_tokens, self.block_size)
+            blocks[i] = Block(piece, layer_cache.prefix_bytes(piece))
         pc.insert(state.tokens, blocks)
 
     def _assemble(self, blocks):
         """A fresh cache holding the cached blocks' tokens at positions [0, len * P)."""
         n = len(blocks) * self.prefix_cache.block_tokens
-        padded = min(self.capacity, length_bucket(n))
-        shapes = self._prefix_shapes(padded)
-        prefix = {}
-        for name, shape in shapes.items():
-            joined = np.concatenate([{**b.kv, **b.index}[name] for b in blocks], axis=1)
-            pad = [(0, 0)] * joined.ndim
-            pad[1] = (0, shape.shape[1] - joined.shape[1])
-            # Padding blocks read as empty summaries; padded positions are overwritten by
-            # the prefill before anything reads them.
-            prefix[name] = np.pad(joined, pad, constant_values=EMPTY_SUMMARY.get(name, 0))
-        return self._with_prefix(self._commit_prefix(prefix), padded, self.capacity)
+        prefix = layer_cache.pad_prefix(layer_cache.join_prefix([b.prefix for b in blocks]),
+                                        min(self.capacity, length_bucket(n)), self.block_size)
+        return self._with_prefix(self._commit_prefix(prefix))
 
     def _commit(self, tree):
         return jax.device_put(tree, self.device)
 
     def _commit_prefix(self, prefix):
-        """Host prefix fields {name: [n_layers, padded, ...]} onto the device, or onto the
-        mesh: K/V split as the cache's rules say (each device takes only its slice), the
-        indexer keys and summaries whole, like the cache they go into."""
+        """A host prefix onto the device, or onto the mesh as the cache it goes into holds it
+        (each device takes only its slice: model.cache.prefix_specs)."""
         if self.mesh is None:
             return self._commit(prefix)
-        sp = sharding.axis_size(self.mesh, "sequence")
-        specs = {}
-        for name, array in prefix.items():
-            axes = sharding.CACHE_AXES.get(name) if name in TOKEN_FIELDS else None
-            if axes is None or array.shape[1] % sp:
-                axes = (None,) * (array.ndim - 1)
-            specs[name] = sharding.logical_to_spec((None, *axes))
+        specs = layer_cache.prefix_specs(prefix, sharding.axis_size(self.mesh, "sequence"))
         return sharding.put(prefix, sharding.named(self.mesh, specs))
 
     def _fresh_cache(self):
-        if self.mesh is not None:  # created on its shardings (model.sharding)
+        if self.mesh is not None:  # created on its shardings (model.cache)
             return self.runner.new_cache(self.max_context)
         return self._commit(self.runner.new_cache(self.max_context))
 
@@ -249,25 +218,8 @@ class Engine:
             return
         self.slots = self._commit(self.runner.new_batch_cache(self.n_slots, self.max_context))
 
-    def _prefix_shapes(self, padded):
-        """ShapeDtypeStructs of an assembled prefix of `padded` positions, by field."""
-        abstract = jax.eval_shape(lambda: init_cache(self.config, padded))
-        shapes = {name: getattr(abstract[0], name) for name in TOKEN_FIELDS}
-        shapes.update({name: getattr(abstract[0].summaries, name) for name in SUMMARY_FIELDS})
-        n_layers = self.config.n_layers
-        return {name: jax.ShapeDtypeStruct((n_layers, *a.shape), a.dtype)
-                for name, a in shapes.items()}
-
-    def _cache_with_prefix(self, prefix, padded, capacity):
-        out = []
-        for layer, c in enumerate(init_cache(self.config, capacity)):
-            kv = {name: c._asdict()[name].at[:padded].set(prefix[name][layer])
-                  for name in ("k", "v", "k_index")}
-            summaries = type(c.summaries)(*(
-                getattr(c.summaries, name).at[:prefix[name].shape[1]].set(prefix[name][layer])
-                for name in SUMMARY_FIELDS))
-            out.append(LayerCache(kv["k"], kv["v"], kv["k_index"], summaries))
-        return out
+    def _cache_with_prefix(self, prefix):
+        return layer_cache.put_prefix(init_cache(self.config, self.capacity), prefix)
 
     # ------------------------------------------------------------------ decode
 
@@ -310,32 +262,23 @@ class Engine:
         max_len = min(max_len, self.capacity)
         if max_len < 1:
             return 0
-        # Every (padded chunk, key length) pair a prefill can run: padded chunks are powers of
-        # two from 16 to the model's chunk, key lengths powers of two from 256 (the buckets
-        # of model.runner.chunk_plan). A chunk of p tokens ending at K reads K keys.
-        chunk = self.config.prefill_chunk
-        kv_buckets = sorted({min(self.capacity, length_bucket(n))
-                             for n in range(1, max_len + 1, 256)})
-        paddings = sorted({min(chunk, length_bucket(n, minimum=16)) for n in
-                           (1 << p for p in range(0, chunk.bit_length() + 1))})
+        # Every (padded chunk, key length) step a prefill can run (model.buckets' rule).
+        shapes = prefill_shapes(max_len, capacity=self.capacity,
+                                chunk=self.config.prefill_chunk)
         scratch = Prefill(np.zeros(1, np.int32), self._fresh_cache(), 0, 0)
-        for kv_len in kv_buckets:
-            for padded in paddings:
-                if padded <= kv_len:
-                    scratch.tokens = np.zeros(kv_len, np.int32)
-                    scratch.position = kv_len - padded
-                    self.prefill_step(scratch)
+        for padded, kv_len in shapes:
+            scratch.tokens = np.zeros(kv_len, np.int32)
+            scratch.position = kv_len - padded
+            self.prefill_step(scratch)
+        kv_buckets = sorted({kv_len for _, kv_len in shapes})
         for kv_len in kv_buckets:
             self.decode({0: (0, kv_len - 1, Sampling(), 0)})  # slot 0 is overwritten on use
         self.first_token(scratch, Sampling())
         if self.prefix_cache is not None and self.prefix_cache.enabled:
             P = self.prefix_cache.block_tokens
-            block = self.config.hierarchical.block_size
             for padded in sorted({min(self.capacity, length_bucket(n))
                                   for n in range(P, max_len + 1, P)}):
-                self._take_prefix(scratch.cache, padded, block)
-                zeros = {name: np.zeros(a.shape, a.dtype)
-                         for name, a in self._prefix_shapes(padded).items()}
-                self._with_prefix(self._commit_prefix(zeros), padded, self.capacity)
+                prefix = self._take_prefix(scratch.cache, padded, self.block_size)
+                self._with_prefix(self._commit_prefix(jax.device_get(prefix)))
         self.insert(0, scratch)
         return len(kv_buckets)

@@ -30,6 +30,7 @@ import threading
 
 import numpy as np
 
+from model.buckets import length_bucket
 from serving.engine import Sampling
 
 log = logging.getLogger("serving.follower")
@@ -43,7 +44,7 @@ MIN_PAYLOAD = 16
 
 def _padded(n):
     """Payload length for n values: a power of two >= MIN_PAYLOAD (few compiled psums)."""
-    return max(MIN_PAYLOAD, 1 << (int(n) - 1).bit_length())
+    return length_bucket(n, minimum=MIN_PAYLOAD)
 
 
 def _broadcast(tree, is_source):
@@ -222,11 +223,11 @@ def follow(engine):
 
 def run_follower(config, mesh, *, loader=None):
     """What `python -m serving` runs on processes other than 0: load the model, build and
-    warm up the engine exactly as process 0 does (serving.service.build_engine), then
+    warm up the engine exactly as process 0 does (serving.loading.build_engine), then
     follow. Returns the exit code."""
     import jax
 
-    from serving.service import build_engine
+    from serving.loading import build_engine
 
     log.info("process %d of %d: following process 0", jax.process_index(), jax.process_count())
     engine, _, _ = build_engine(config, mesh, loader=loader)

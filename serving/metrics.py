@@ -3,6 +3,9 @@ the indexer's share of a prefill that one of them reports."""
 
 import prometheus_client as prom
 
+from model.buckets import chunk_plan, length_bucket
+from model.costs import prefill_counts
+
 # TTFT of a long prefill on a CPU runs to minutes: buckets from 1 ms to 320 s.
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                 20.0, 40.0, 80.0, 160.0, 320.0)
@@ -11,11 +14,8 @@ STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 
 
 
 def context_bucket(n_tokens):
-    """The TTFT label for a prompt of n tokens: the power of two at or above it (min 256)."""
-    bucket = 256
-    while bucket < n_tokens:
-        bucket *= 2
-    return str(bucket)
+    """The TTFT label for a prompt of n tokens: its length bucket (model.buckets)."""
+    return str(length_bucket(n_tokens))
 
 
 def indexer_prefill_share(config, start, n):
@@ -23,47 +23,24 @@ def indexer_prefill_share(config, start, n):
     at positions start..start+n-1 of a model with ModelConfig `config`.
 
     An estimate from FLOP counts, not a timing: the indexer runs inside one jitted prefill,
-    where it cannot be timed apart. Per layer and token: indexer projections
-    2 d (H_I d_I + H_I + d_I) plus scoring 2 H_I d_I per scored key (flat: every visible key;
-    hierarchical: one pooled key per visible block of B, plus its candidate tokens); the rest:
-    QKVO projections, attention 4 H D per read key (sparse: min(top_k, visible); dense: all
-    visible) and the SwiGLU MLP 6 d d_ff. Sorting and top-k are left out of both sides.
+    where it cannot be timed apart. The counts are the cost model's (model.costs: each
+    selection kind's own work from the selection table, plus the indexer's projections,
+    against attention, projections, MLP and head), over the chunks the runner prefills,
+    with masked work skipped as the GPU kernels do. Sorting and top-k carry no FLOPs.
     """
-    c = config
-    hier = c.hierarchical
-    pairs = n * start + n * (n + 1) / 2  # visible keys summed over the n queries
-    proj_index = 2 * c.d_model * (c.index_heads * c.index_dim + c.index_heads + c.index_dim)
-    score = 2 * c.index_heads * c.index_dim
-    proj_main = 2 * c.d_model * (2 * c.n_heads * c.head_dim + 2 * c.n_kv_heads * c.head_dim)
-    mlp = 6 * c.d_model * c.d_ff
-    indexer = attention = 0.0
-    for layer in range(c.n_layers):
-        if c.layer_indexer(layer) == "hierarchical":
-            blocks = pairs / hier.block_size
-            total_blocks = (start + n) / hier.block_size
-            budget = hier.block_size * hier.candidate_blocks(max(1, int(total_blocks)))
-            candidates = min(pairs, n * budget)
-            indexer += proj_index * n + score * (blocks + candidates)
-        else:
-            indexer += proj_index * n + score * pairs
-        if c.layer_is_sparse(layer):
-            read = sum_min(start, n, c.top_k)
-        else:
-            read = pairs
-        attention += 4 * c.n_heads * c.head_dim * read
-    rest = attention + c.n_layers * n * (proj_main + mlp)
+    chunks = chunk_plan(n, start=start, capacity=length_bucket(start + n),
+                        chunk=config.prefill_chunk)
+    counts = prefill_counts(config, start + n, skip=True, chunks=chunks)
+    indexer = rest = 0.0
+    for layer, kind in enumerate(counts.layers):
+        attention = "attention" if config.layer_is_sparse(layer) else "dense_attention"
+        for op in counts.per_layer[kind]:
+            if op.stage == "indexer" or op.name == "indexer projections":
+                indexer += op.flops
+            elif op.stage in ("other", attention):
+                rest += op.flops
+    rest += sum(op.flops for op in counts.head)
     return indexer / (indexer + rest)
-
-
-def sum_min(start, n, k):
-    """sum over positions t in [start, start + n) of min(k, t + 1) (keys a query reads)."""
-    lo, hi = start + 1, start + n  # visible counts of the first and last query
-    if hi <= k:
-        return (lo + hi) * n / 2
-    if lo >= k:
-        return k * n
-    below = k - lo  # queries with fewer than k visible keys: counts lo .. k - 1
-    return (lo + k - 1) * below / 2 + k * (n - below)
 
 
 class Metrics:

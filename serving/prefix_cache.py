@@ -2,10 +2,11 @@
 
 Block i of a prompt (tokens [i P, (i + 1) P), full blocks only) is keyed by
 hash(key of block i - 1, its tokens), so a key names the whole prefix up to the block's end
-and a hit on block i implies hits on every block before it. Each block holds, for every
-layer, the keys and values of main attention (the "kv" part) and the indexer keys with
-their block summaries (the "index" part): a request whose prefix is cached copies them into
-its cache and prefills only the rest.
+and a hit on block i implies hits on every block before it. Each block holds every layer's
+cache rows of its tokens (a model.cache prefix: the keys and values of main attention, the
+"kv" part, and the indexer keys with their block summaries, the "index" part; this module
+never looks inside): a request whose prefix is cached copies them into its cache and
+prefills only the rest.
 
 Eviction is LRU, by entries and by bytes, and never takes a block a request holds. A lookup
 touches the matched chain deepest block first, so a chain's root is always more recent than
@@ -37,20 +38,20 @@ def block_keys(tokens, block_tokens, n_blocks=None):
 
 @dataclasses.dataclass
 class Block:
-    """One cached block: per-field arrays with a leading layer axis, [n_layers, P, ...] for
-    per-token fields and [n_layers, P / B, ...] for block summaries."""
+    """One cached block: its rows of every layer's cache (a host model.cache prefix, opaque
+    here) and their bytes by part {"kv", "index"} (model.cache.prefix_bytes)."""
 
-    kv: dict
-    index: dict
+    prefix: list
+    part_bytes: dict
     refs: int = 0
 
     @property
     def kv_bytes(self):
-        return sum(a.nbytes for a in self.kv.values())
+        return self.part_bytes["kv"]
 
     @property
     def index_bytes(self):
-        return sum(a.nbytes for a in self.index.values())
+        return self.part_bytes["index"]
 
     @property
     def nbytes(self):

@@ -59,6 +59,7 @@ class Service:
             self._ready.set()
 
     def _build(self):
+        from serving.loading import build_engine
         from serving.metrics import Metrics
         from serving.scheduler import Scheduler
 
@@ -123,37 +124,6 @@ class Service:
 
     def release(self):
         self.active -= 1
-
-
-def build_engine(cfg, mesh=None, *, loader=None):
-    """Loads the model, builds the Engine (on `mesh`) and warms it up -> (engine, loaded,
-    max_context). Every process of a sharded server runs this, in the same order: the
-    warm-up's steps are collectives on a mesh that spans processes."""
-    from serving.engine import Engine
-    from serving.loading import load_model
-    from serving.prefix_cache import PrefixCache
-
-    t0 = time.perf_counter()
-    loaded = loader() if loader is not None else load_model(cfg.model, cfg.model_overrides())
-    model_config = loaded.model.config
-    max_context = cfg.max_context
-    if max_context > model_config.max_seq_len:
-        log.warning("max_context %d is past the model's max_seq_len %d: serving %d",
-                    max_context, model_config.max_seq_len, model_config.max_seq_len)
-        max_context = model_config.max_seq_len
-    log.info("loaded %s in %.1f s: %s", loaded.model_id, time.perf_counter() - t0,
-             loaded.description)
-    cache = PrefixCache(cfg.cache_block_tokens, max_blocks=cfg.cache_size,
-                        max_bytes=cfg.cache_bytes)
-    engine = Engine(loaded.model, max_context=max_context, slots=cfg.decode_slots,
-                    prefill_chunk=cfg.prefill_chunk, prefix_cache=cache, mesh=mesh)
-    warm = max_context if cfg.warmup_max_context is None else cfg.warmup_max_context
-    t0 = time.perf_counter()
-    buckets = engine.warmup(min(warm, max_context))
-    log.info("warm-up: compiled %d key-length buckets up to %d tokens in %.1f s%s", buckets,
-             min(warm, max_context), time.perf_counter() - t0,
-             "" if mesh is None else f" on mesh {dict(mesh.shape)}")
-    return engine, loaded, max_context
 
 
 def _process_count(mesh):

@@ -15,3 +15,13 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 # optimisation passes cuts the cold-cache suite by about a quarter. Numerics are unchanged
 # up to float rounding, which every tolerance already allows.
 jax.config.update("jax_disable_most_optimizations", True)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """Workers for `-n auto` (pyproject's addopts): the default tier's tests are independent
+    and mostly compile (one core each), so they run on up to 4 cores; the slow tier runs
+    end-to-end scripts and servers with timed expectations (a request answered within 5 s),
+    which must not share the machine with each other: in this process, no workers."""
+    if "slow" in (config.getoption("markexpr") or "").replace("not slow", ""):
+        return 0
+    return max(1, min(4, len(os.sched_getaffinity(0))))

@@ -25,15 +25,17 @@ from experiments.common import (
     time_call,
     write_json,
 )
+from indexer.selection import selection_names
 from model import ModelRunner, Transformer, get_config, tokenizer
 
 
 def parse_variant(spec, n_layers):
-    """'flat' | 'hierarchical' | 'hierarchical:0:2' -> dict of ModelConfig overrides."""
+    """A selection kind (indexer.selection), or KIND:I[:J...] with layers I, J... kept flat
+    (e.g. 'hierarchical:0:2') -> dict of ModelConfig overrides."""
     name, *layers = spec.strip().split(":")
-    if name not in ("flat", "hierarchical") or (layers and name != "hierarchical"):
-        raise ValueError(f"indexer variant must be flat, hierarchical or hierarchical:I[:J...], "
-                         f"got {spec!r}")
+    if name not in selection_names() or (layers and name == "flat"):
+        raise ValueError(f"indexer variant must be one of {selection_names()}, or KIND:I[:J...] "
+                         f"(layers kept flat), got {spec!r}")
     try:
         flat_layers = tuple(int(x) for x in layers)
     except ValueError:

@@ -56,10 +56,10 @@ from experiments.common import (  # noqa: E402
 )
 from experiments.costmodel.sharding import hlo_collectives  # noqa: E402
 from model import ModelRunner, Transformer, get_config, tokenizer  # noqa: E402
-from model.runner import chunk_plan, length_bucket  # noqa: E402
+from model.buckets import chunk_plan, length_bucket  # noqa: E402
+from model.cache import cache_capacity, cache_specs  # noqa: E402
 from model.sharding import (  # noqa: E402
     axis_size,
-    cache_specs,
     make_mesh,
     param_specs,
     per_device_bytes,
@@ -133,11 +133,13 @@ def _greedy_decode(runner, logits, cache, position, steps):
 
 
 def cache_bytes(cache):
-    """Bytes per device: the KV cache (split) and the indexer keys + summaries (replicated)."""
+    """Bytes per device: the KV cache (split) and the indexer keys + summaries (replicated;
+    shared layers hold none)."""
+    index = [c for c in cache if c.has_index]
     kv = per_device_bytes([(c.k, c.v) for c in cache])
-    rep = per_device_bytes([(c.k_index, c.summaries) for c in cache])
+    rep = per_device_bytes([(c.k_index, c.summaries) for c in index])
     total_kv = sum(c.k.nbytes + c.v.nbytes for c in cache)
-    total_rep = sum(c.k_index.nbytes + sum(x.nbytes for x in c.summaries) for c in cache)
+    total_rep = sum(c.k_index.nbytes + sum(x.nbytes for x in c.summaries) for c in index)
     return {"kv_per_device": max(kv.values()), "kv_total": total_kv,
             "replicated_per_device": max(rep.values()), "replicated_total": total_rep}
 
@@ -156,9 +158,9 @@ def shardings_follow_rules(state, cache):
 def step_collectives(runner, n_tokens, capacity, chunk):
     """{kind: bytes} of the collectives compiled into the first chunk step of a prefill."""
     cache = runner.new_cache(capacity)
-    c = chunk_plan(n_tokens, start=0, capacity=cache[0].k.shape[0], chunk=chunk)[0]
-    text = runner._step.lower(runner.state, np.zeros(c.padded, np.int32), cache, c.position,
-                              c.kv_len, c.length, False, ()).compile().as_text()
+    c = chunk_plan(n_tokens, start=0, capacity=cache_capacity(cache), chunk=chunk)[0]
+    text = runner.lower_step(np.zeros(c.padded, np.int32), cache, c.position, c.kv_len,
+                             c.length).compile().as_text()
     return c.padded, hlo_collectives(text)
 
 

@@ -5,7 +5,7 @@ hierarchical indexer, on a CPU or on datasheet GPUs; validated against committed
         [--lengths 8192,16384,...] [--hardware cpu,a100,h100,h200] [--devices N]
         [--out DIR] [--no-calibrate]
 
-Stages of a prefill of L tokens, per layer and summed (experiments.costmodel.counts):
+Stages of a prefill of L tokens, per layer and summed (model.costs):
   other      projections (attention, indexer, MLP: 2 x parameters x tokens), norms, RoPE,
              residuals, cache writes, embedding and lm_head;
   indexer    flat: 2 H_I d_I FLOPs per scored (query, key) pair + lax.top_k over each row;
@@ -29,14 +29,6 @@ import os
 import pathlib
 
 from experiments.common import add_out_argument, display_path, machine_description, write_json
-from experiments.costmodel.counts import (
-    STAGES,
-    cache_bytes_per_token,
-    itemsize,
-    max_context,
-    parameter_count,
-    prefill_counts,
-)
 from experiments.costmodel.rates import (
     HARDWARE,
     HARDWARE_CHOICES,
@@ -57,6 +49,14 @@ from experiments.costmodel.validate import (
     v32_table,
 )
 from model import PRESETS, get_config
+from model.costs import (
+    STAGES,
+    cache_bytes_per_token,
+    itemsize,
+    max_context,
+    parameter_count,
+    prefill_counts,
+)
 
 NAME = "costmodel"
 DEFAULT_LENGTHS = "8192,16384,32768,65536,131072"

@@ -25,7 +25,7 @@ import pathlib
 import time
 
 from experiments.common import REPO_ROOT
-from experiments.costmodel.counts import Op
+from indexer.costs import Op
 
 FLOP_KINDS = ("matmul", "index_scores", "gathered_scores", "sparse_attention",
               "dense_attention")
@@ -92,7 +92,7 @@ def memory_bytes(op, rates):
 
 
 def op_seconds(op, rates):
-    """Predicted seconds of one counted op (counts.Op)."""
+    """Predicted seconds of one counted op (indexer.costs.Op)."""
     if op.kind in FLOP_KINDS:
         compute = op.flops / rates.flops[op.kind]
         return max(compute, memory_bytes(op, rates) / rates.memory) if rates.roofline \
@@ -378,7 +378,7 @@ def ops_seconds(ops, rates):
 
 
 def predict(counts, rates, *, devices=1, index_key_bytes=0.0, length=0, n_layers=0):
-    """Predicted prefill from counts (counts.PrefillCounts): per-stage seconds,
+    """Predicted prefill from counts (model.costs.PrefillCounts): per-stage seconds,
     TTFT (other + indexer + attention), the split and the indexer share. devices > 1:
     sequence parallel with balanced work (each device does 1 / devices of every op) plus
     an all-gather of the indexer keys per layer over the interconnect ((devices - 1) /

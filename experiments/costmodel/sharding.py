@@ -26,15 +26,6 @@ import pathlib
 import re
 
 from experiments.common import add_out_argument, write_json
-from experiments.costmodel.counts import (
-    F32,
-    Op,
-    OpList,
-    cache_bytes_per_token,
-    itemsize,
-    prefill_chunks,
-    prefill_counts,
-)
 from experiments.costmodel.rates import (
     KERNEL_JSON,
     gpu_rates,
@@ -43,7 +34,10 @@ from experiments.costmodel.rates import (
     predict,
 )
 from experiments.costmodel.validate import mla_attention
+from indexer.costs import F32, Op, OpList
 from model import get_config
+from model.buckets import chunk_plan, length_bucket
+from model.costs import cache_bytes_per_token, itemsize, prefill_counts
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1,
@@ -75,6 +69,10 @@ def step_collectives(config, T, sequence, tensor, *, attention=None):
     Dv = attention.v_dim if attention else c.head_dim
     kv_row = attention.kv_row if attention else 2 * c.head_dim
     sparse = sum(c.layer_is_sparse(i) for i in range(c.n_layers))
+    # Shared layers (indexer_types) run no indexer: only full layers gather keys, and only
+    # those whose selection some sparse layer reads select.
+    full = [i for i in range(c.n_layers) if not c.layer_is_shared(i)]
+    selecting = sum(c.layer_needs_selection(i) for i in full)
     rows = []
 
     def add(name, kind, axis, stage, size, layers):
@@ -85,10 +83,11 @@ def step_collectives(config, T, sequence, tensor, *, attention=None):
     if sequence > 1:
         H_l, kv_l = H / tensor, H_kv / tensor if H_kv >= tensor else H_kv
         add("new indexer keys", "all-gather", "sequence", "indexer", T * c.index_dim * b,
-            c.n_layers)
+            len(full))
         add("indexer queries + weights", "all-gather", "sequence", "indexer",
-            T * c.index_heads * (c.index_dim * b + F32), sparse)
-        add("selected indices", "all-gather", "sequence", "indexer", T * c.top_k * 4, sparse)
+            T * c.index_heads * (c.index_dim * b + F32), selecting)
+        add("selected indices", "all-gather", "sequence", "indexer", T * c.top_k * 4,
+            selecting)
         add("attention queries", "all-gather", "sequence", "attention", T * H_l * D * b,
             sparse)
         add("new K/V rows (to their owner)", "all-gather", "sequence", "attention",
@@ -120,7 +119,8 @@ def main_model_step_bytes(config, T, sequence):
     all-gather, (S - 1) / S x T x d_I x itemsize per layer."""
     if sequence < 2:
         return 0.0
-    return (sequence - 1) / sequence * T * config.index_dim * itemsize(config) * config.n_layers
+    full = sum(not config.layer_is_shared(i) for i in range(config.n_layers))
+    return (sequence - 1) / sequence * T * config.index_dim * itemsize(config) * full
 
 
 def wire_bytes(kind, size, n):
@@ -138,8 +138,8 @@ def comm_ops(config, L, sequence, *, attention=None):
     """OpList of the interconnect traffic of a whole prefill of L tokens (sequence parallel,
     no tensor axis), per device, in the stages they delay."""
     ops = OpList()
-    for ch in prefill_chunks(L, config.prefill_chunk):
-        for r in step_collectives(config, ch.queries, sequence, 1, attention=attention):
+    for ch in chunk_plan(L, start=0, capacity=length_bucket(L), chunk=config.prefill_chunk):
+        for r in step_collectives(config, ch.padded, sequence, 1, attention=attention):
             ops.add(Op(r["stage"], r["name"], "comm",
                        bytes=wire_bytes(r["kind"], r["bytes"], sequence)))
     return ops

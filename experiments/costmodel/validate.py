@@ -17,19 +17,18 @@ import pathlib
 import statistics
 
 from experiments.common import REPO_ROOT
-from experiments.costmodel.counts import (
+from experiments.costmodel.rates import gpu_rates, ops_seconds, predict
+from indexer import HierarchicalConfig
+from indexer.costs import OpList, Selection
+from model import ModelConfig, get_config
+from model.buckets import Chunk
+from model.costs import (
     AttentionShape,
-    Chunk,
-    OpList,
-    Selection,
     attention_ops,
     gqa_attention,
     prefill_counts,
     selection_ops,
 )
-from experiments.costmodel.rates import gpu_rates, ops_seconds, predict
-from indexer import HierarchicalConfig
-from model import ModelConfig, get_config
 
 PREFILL_JSON = REPO_ROOT / "results" / "bench_prefill_small_sparse.json"
 INDEXER_JSON = REPO_ROOT / "results" / "bench_indexer.json"
@@ -96,12 +95,12 @@ def h200_rows(calibration, path):
     rows = []
     for L in args["lengths"]:
         chunk = min(args["chunk"], L)
-        chunks = [Chunk(chunk, c * chunk, L) for c in range(L // chunk)]
+        chunks = [Chunk(c * chunk, c * chunk, chunk, chunk, L) for c in range(L // chunk)]
         pred = {}
         for kind, sel in sels.items():
             ops = OpList()
             for ch in chunks:
-                ops.extend(selection_ops(sel, ch.queries, ch.start, ch.kv_len, skip=True))
+                ops.extend(selection_ops(sel, ch.padded, ch.position, ch.kv_len, skip=True))
             pred[kind] = ops_seconds(ops, rates)[0]["indexer"]
             if kind == "flat":
                 scores = [op for op in ops if op.name == "flat scores"]

@@ -10,6 +10,7 @@ import numpy as np
 from indexer import iou, recall
 from model import length_bucket
 from model.attention import select_tokens
+from model.cache import cache_capacity
 
 
 def pair_metrics(lp_a, lp_b):
@@ -31,18 +32,21 @@ def selection_metrics(flat, other):
 
 @functools.partial(jax.jit, static_argnames=("config", "layer", "q_offset"))
 def layer_selection(config, layer, q_offset, q, w, k_index, summaries):
-    return select_tokens(config, q, w, k_index, q_offset=q_offset, summaries=summaries,
-                         layer=layer)
+    return select_tokens(config, layer, q, w, k_index, q_offset=q_offset, summaries=summaries)
 
 
 def selections_on_captured(config, captured, cache, q_offset, length):
     """`config`'s selection, layer by layer, on indexer inputs captured from a pass
     (captured["indexer"]: q [n_layers, Q, H_I, d_I], w [n_layers, Q, H_I] for the queries at
     positions q_offset..q_offset+Q-1) over that pass's cache (keys of `length` positions)
-    -> i32[n_layers, Q, top_k]."""
+    -> i32[n_layers, Q, top_k]. A shared layer (indexer_types) selects what its full layer
+    does, over that layer's keys."""
     q, w = captured["indexer"].q, captured["indexer"].w
-    kv_len = min(cache[0].k_index.shape[0], length_bucket(length))
-    return np.stack([np.asarray(layer_selection(config, i, q_offset, jnp.asarray(q[i]),
-                                                 jnp.asarray(w[i]), c.k_index[:kv_len],
-                                                 c.summaries))
-                     for i, c in enumerate(cache)])
+    kv_len = min(cache_capacity(cache), length_bucket(length))
+    out = []
+    for i in range(config.n_layers):
+        c = cache[config.selection_source(i)]
+        out.append(np.asarray(layer_selection(config, i, q_offset, jnp.asarray(q[i]),
+                                              jnp.asarray(w[i]), c.k_index[:kv_len],
+                                              c.summaries)))
+    return np.stack(out)

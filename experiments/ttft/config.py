@@ -18,7 +18,8 @@ import dataclasses
 
 from experiments.schema import ConfigError, ConfigSection, check_bool, check_int, fail, read_yaml
 from indexer.config import HierarchicalConfig
-from model.config import ATTENTION_KINDS, INDEXER_KINDS, PRESETS, ModelConfig
+from indexer.selection import selection_names
+from model.config import ATTENTION_KINDS, PRESETS, ModelConfig
 
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 
@@ -63,7 +64,8 @@ class ModelSource(ConfigSection):
 @dataclasses.dataclass(frozen=True)
 class ModeSpec(ConfigSection):
     """name: the label in results ("sparse-flat", "sparse-hierarchical", "dense", or an
-    ablation's own). attention: dense | sparse. indexer: flat | hierarchical.
+    ablation's own). attention: dense | sparse. indexer: a selection kind
+    (indexer.selection: flat | hierarchical | window).
     hierarchical: HierarchicalConfig fields over the model's. overrides: other ModelConfig
     run-time fields (top_k, flat_index_layers, ...). max_length: lengths above it are not
     measured for this mode (None: all)."""
@@ -80,8 +82,8 @@ class ModeSpec(ConfigSection):
             fail("name", "a non-empty string", self.name)
         if self.attention not in ATTENTION_KINDS:
             fail("attention", f"one of {ATTENTION_KINDS}", self.attention)
-        if self.indexer not in INDEXER_KINDS:
-            fail("indexer", f"one of {INDEXER_KINDS}", self.indexer)
+        if self.indexer not in selection_names():
+            fail("indexer", f"one of {selection_names()}", self.indexer)
         _check_overrides("hierarchical", self.hierarchical,
                          {f.name for f in dataclasses.fields(HierarchicalConfig)},
                          "HierarchicalConfig")

@@ -31,7 +31,7 @@ def test_parse_variant():
 
 
 @pytest.mark.parametrize("spec, message", [
-    ("dense", "indexer variant must be flat, hierarchical"),
+    ("dense", "indexer variant must be one of ('flat', 'hierarchical'"),
     ("hierarchical:9",
      "flat_index_layers must be distinct layer indices in [0, n_layers - 1 = 1]")])
 def test_bad_variants_exit_with_a_message(spec, message, capsys):

@@ -8,33 +8,30 @@ import pytest
 from flax import nnx
 
 from experiments.costmodel import cli as costmodel
-from experiments.costmodel.counts import (
-    Op,
-    OpList,
-    cache_bytes_per_token,
-    hierarchical_sizes,
-    max_context,
-    parameter_count,
-    prefill_chunks,
-    prefill_counts,
-    visible_blocks,
-    visible_keys,
-)
 from experiments.costmodel.rates import gpu_rates, kernel_calibration, op_seconds, predict
 from experiments.costmodel.validate import h200_rows, ratio_rows, v32_table
+from indexer.costs import Op, OpList, hierarchical_sizes, visible_blocks, visible_keys
 from model import Transformer, get_config
+from model.buckets import chunk_plan
+from model.costs import (
+    cache_bytes_per_token,
+    max_context,
+    parameter_count,
+    prefill_counts,
+)
 
 TINY = get_config("tiny")  # d 64, 2 layers, H 4 / H_kv 2 x 16, d_ff 128, H_I 2 x 16, top_k 16
 
 
 def test_runner_chunks_of_tiny_at_256():
     # 256 tokens in chunks of 64; every chunk reads the minimum bucket of 256 keys.
-    chunks = prefill_chunks(256, TINY.prefill_chunk)
-    assert [(c.queries, c.start, c.kv_len) for c in chunks] == [
+    chunks = chunk_plan(256, start=0, capacity=256, chunk=TINY.prefill_chunk)
+    assert [(c.padded, c.position, c.kv_len) for c in chunks] == [
         (64, 0, 256), (64, 64, 256), (64, 128, 256), (64, 192, 256)]
     # A ragged end: the last chunk (232 tokens) is padded to its power-of-two bucket; keys
     # up to the bucket of each chunk's end.
-    assert [(c.queries, c.start, c.kv_len) for c in prefill_chunks(1000, 384)] == [
+    assert [(c.padded, c.position, c.kv_len)
+            for c in chunk_plan(1000, start=0, capacity=1024, chunk=384)] == [
         (384, 0, 512), (384, 384, 1024), (256, 768, 1024)]
 
 

@@ -35,7 +35,8 @@ def _tokens(n, seed=0):
     return np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
 
 
-@pytest.mark.parametrize("attention", ["dense", "sparse"])
+# dense: default-tier time budget, in the slow tier
+@pytest.mark.parametrize("attention", [pytest.param("dense", marks=pytest.mark.slow), "sparse"])
 def test_chunked_logprobs_equal_the_full_forward(tiny_model, attention):
     model = with_config(tiny_model, tiny_model.config.replace(attention=attention))
     toks = _tokens(200)

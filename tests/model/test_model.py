@@ -58,7 +58,8 @@ def test_sparse_with_small_top_k_differs_from_dense():
     assert not np.allclose(dense[-1], sparse[-1], atol=1e-3)
 
 
-@pytest.mark.parametrize("attention", ["dense", "sparse"])
+# dense: default-tier time budget, in the slow tier
+@pytest.mark.parametrize("attention", [pytest.param("dense", marks=pytest.mark.slow), "sparse"])
 def test_chunked_prefill_equals_one_shot(attention):
     runner = ModelRunner(_model(3, attention=attention))
     toks = _tokens(5, 150)  # not a multiple of any chunk

@@ -70,6 +70,7 @@ def test_tied_embeddings_and_a_numpy_forward_of_the_hf_weights(checkpoints):
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_bfloat16_load(checkpoints):
     tmp, _, _ = checkpoints
     model = load_pretrained(tmp / "tiny.gguf", dtype="bfloat16", attention="dense").model

@@ -1,8 +1,9 @@
 """Runs in a subprocess with fake CPU devices (XLA_FLAGS set by the caller before JAX
 starts); prints one JSON line. Modes:
 
-    python -m tests.sharding.worker equality INDEXER MESH[;MESH...]
-        sharded vs single-device prefill + decode (experiments.benchmarks.sharded.compare)
+    python -m tests.sharding.worker equality INDEXER[:TYPES] MESH[;MESH...]
+        sharded vs single-device prefill + decode (experiments.benchmarks.sharded.compare);
+        TYPES: the tiny model's indexer_types as a pattern (e.g. FS)
     python -m tests.sharding.worker process ADDRESS NUM_PROCESSES PROCESS_ID MESH
         one process of a jax.distributed job: sharded prefill vs this process's own
         single-device prefill
@@ -22,7 +23,9 @@ def _model(indexer):
 
     from model import Transformer, get_config
 
-    return Transformer(get_config("tiny", indexer=indexer), rngs=nnx.Rngs(0))
+    indexer, _, types = indexer.partition(":")
+    return Transformer(get_config("tiny", indexer=indexer, indexer_types=types),
+                       rngs=nnx.Rngs(0))
 
 
 def _tokens():

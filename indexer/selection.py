@@ -1,0 +1,116 @@
+"""The selection kinds: one table, read by everything that runs, offers, shards or counts a
+selection (the model's config and forward pass, sequence-parallel prefill, serving's config
+and metrics, the main job's modes, the cost model).
+
+A kind is one `SelectionKind` entry: its select function, the config class it reads, whether
+serving offers it, its per-shard query tile (sequence-parallel prefill splits a chunk's
+queries into pieces that are whole tiles, so each query ranks the same candidates as on one
+device) and its cost (`indexer.costs`: FLOPs, bytes and top-k work of one call). Adding a
+kind is one entry here (or `register_selection` from outside) plus its function.
+
+This module imports no JAX: serving reads the table before JAX starts. A select function
+given as "module:name" is imported on first use.
+
+Every select function has one signature:
+
+    select(q, w, k, top_k, *, q_offset, config, summaries, screen) -> i32[T, top_k]
+
+q [T, H_I, d_I], w [T, H_I], k [L, d_I] (the indexer-key cache up to a length bucket; keys
+past the queries are masked by causality); query i sits at position q_offset + i. config:
+the layer's HierarchicalConfig (kinds that have no knobs ignore it); summaries: the cache's
+BlockSummaryCache of k (at least ceil(L / block_size) blocks); screen: the layer's trained
+coarse screen (indexer.ScreenParams) or None. Output: best first, -1 where fewer than top_k
+tokens are chosen.
+"""
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+
+from indexer.config import HierarchicalConfig
+from indexer.costs import flat_ops, hierarchical_ops, window_ops
+
+
+def _single_query_tile(config, T):
+    return 1
+
+
+def _hierarchical_query_tile(config, T):
+    return min(config.query_tile, T)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionKind:
+    """One selection kind.
+
+    name: what ModelConfig.indexer (and serving's `indexer`) says.
+    select: the function (see the module docstring), or "module:name" imported on first use.
+    description: one line for errors and docs.
+    costs: (indexer.costs.Selection, T, p0, kv_len, skip) -> [indexer.costs.Op], the work
+      of one call (the FLOP estimate of serving's metrics and the cost model).
+    config: the config class whose knobs it reads (None: it has none).
+    served: whether `python -m serving` offers it (baselines that only measure are not).
+    query_tile: (config, T) -> queries that must stay together on one shard.
+    """
+
+    name: str
+    select: Callable | str
+    description: str
+    costs: Callable
+    config: type | None = None
+    served: bool = True
+    query_tile: Callable = _single_query_tile
+
+    @property
+    def function(self):
+        if callable(self.select):
+            return self.select
+        module, _, attr = self.select.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+SELECTIONS = {kind.name: kind for kind in (
+    SelectionKind("flat", "indexer.scoring:flat_select",
+                  "exact top_k of the lightning indexer's scores over every earlier token",
+                  flat_ops),
+    SelectionKind("hierarchical", "indexer.hierarchical:hierarchical_select",
+                  "coarse-to-fine: score key blocks, then tokens inside the best blocks",
+                  hierarchical_ops, config=HierarchicalConfig,
+                  query_tile=_hierarchical_query_tile),
+    SelectionKind("window", "indexer.scoring:window_select",
+                  "the query and the top_k - 1 tokens before it, no scoring (the baseline "
+                  "that measures what selection costs)", window_ops, served=False),
+)}
+
+
+def selection_names(*, served=None):
+    """The kinds' names (served=True: only those serving offers)."""
+    return tuple(name for name, kind in SELECTIONS.items()
+                 if served is None or kind.served == served)
+
+
+def selection_kind(name, *, what="indexer", served=False):
+    """The SelectionKind called `name`; ValueError naming `what` and the allowed kinds (only
+    the served ones when served=True)."""
+    allowed = selection_names(served=True if served else None)
+    if not isinstance(name, str) or name not in allowed:
+        raise ValueError(f"{what} must be one of {allowed}, got {name!r}")
+    return SELECTIONS[name]
+
+
+def register_selection(kind):
+    """Adds a kind to the table (replacing one of the same name) -> the kind it replaced, or
+    None. For kinds defined outside this package (experiments, tests)."""
+    if not isinstance(kind, SelectionKind):
+        raise TypeError(f"register_selection takes a SelectionKind, got {type(kind).__name__}")
+    old = SELECTIONS.get(kind.name)
+    SELECTIONS[kind.name] = kind
+    return old
+
+
+def unregister_selection(name, previous=None):
+    """Removes kind `name` (restoring `previous`, what register_selection returned)."""
+    if previous is None:
+        SELECTIONS.pop(name, None)
+    else:
+        SELECTIONS[name] = previous

@@ -1,0 +1,95 @@
+"""Per-layer selection reuse (ModelConfig.indexer_types, GLM-5's "shared" layers,
+IndexCache): a shared layer attends to the selection of the nearest earlier full layer, runs
+no indexer and caches no index keys, in prefill, decode, batched decode and the prefix
+cache (tests/serving/test_engine.py); GLM-5's own spellings of the schedule are
+accepted."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from model import ModelRunner, Transformer, get_config, with_config
+from model.config import ModelConfig, glm_indexer_types, normalize_indexer_types
+
+TOL = dict(rtol=2e-4, atol=2e-4)
+N = 150  # not a multiple of the tiny chunk (64) or block (8)
+
+
+def _tokens(seed, n):
+    return np.random.default_rng(seed).integers(0, 256, n).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def full():
+    """Three full layers, hierarchical selection (the tiny budget of 32 candidate tokens is
+    below the context, so it selects differently from flat)."""
+    return Transformer(get_config("tiny", n_layers=3, indexer="hierarchical"),
+                       rngs=nnx.Rngs(3))
+
+
+@pytest.mark.parametrize("indexer", ["flat", "hierarchical"])
+def test_a_shared_layer_attends_to_its_full_layers_selection(full, indexer):
+    """FFS: layer 2 reuses layer 1's selection (the nearest full layer, not layer 0's). The
+    full layers select exactly as in the all-full model with the same weights, the shared
+    one holds no indexer weights and no index cache."""
+    base = with_config(full, full.config.replace(indexer=indexer))
+    shared = with_config(full, base.config.replace(indexer_types="FFS"))
+    assert shared.layers[2].indexer is None and shared.layers[1].indexer is not None
+    _, cache, got = ModelRunner(shared).prefill(_tokens(0, N), capture=("indices", "indexer"))
+    _, _, ref = ModelRunner(base).prefill(_tokens(0, N), capture=("indices",))
+    np.testing.assert_array_equal(got["indices"][2], got["indices"][1])
+    np.testing.assert_array_equal(got["indices"][:2], ref["indices"][:2])
+    assert not np.array_equal(got["indices"][1], got["indices"][0])
+    # The shared layer's captured indexer inputs are its full layer's (a KL on them trains
+    # that indexer for both layers).
+    for part in ("q", "w", "k"):
+        np.testing.assert_array_equal(getattr(got["indexer"], part)[2],
+                                      getattr(got["indexer"], part)[1])
+    assert not cache[2].has_index and cache[2].summaries is None and cache[1].has_index
+
+
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
+def test_shared_prefill_chunked_then_decoded_equals_one_forward(full):
+    shared = with_config(full, full.config.replace(indexer_types="FSS"))
+    runner = ModelRunner(shared)
+    toks = _tokens(1, N + 4)
+    logits, cache = runner.prefill(toks[:N], capacity=N + 4)
+    for i, t in enumerate(toks[N:]):
+        logits, cache = runner.decode(int(t), cache, N + i)
+    want = shared.forward(jax.numpy.asarray(toks))[-1]
+    np.testing.assert_allclose(logits, want, **TOL)
+    # Serving's batched decode (a vmap of the step) over slots with shared layers.
+    _, one = runner.prefill(toks[:N], capacity=512)
+    slots = jax.tree.map(lambda s, c: s.at[1].set(c), runner.new_batch_cache(2, 512), one)
+    batch, _ = runner.decode_batch(np.array([0, int(toks[N])]), slots, np.array([0, N]))
+    step, _ = runner.decode(int(toks[N]), one, N)
+    np.testing.assert_allclose(np.asarray(batch)[1], step, rtol=1e-5, atol=1e-5)
+
+
+def test_a_shared_layer_cannot_be_made_full_again(full):
+    shared = with_config(full, full.config.replace(indexer_types="FFS"))
+    with pytest.raises(ValueError, match="weights the model does not have.*layers/2"):
+        with_config(shared, shared.config.replace(indexer_types=()))
+
+
+def test_indexer_types_spellings():
+    # GLM-5's schedule (transformers' GlmMoeDsaConfig): full while i < offset, then one in
+    # index_topk_freq.
+    assert glm_indexer_types(8, index_topk_freq=4, index_skip_topk_offset=2) == (
+        "full", "full", "shared", "shared", "shared", "full", "shared", "shared")
+    assert normalize_indexer_types({"index_topk_freq": 4, "index_skip_topk_offset": 2}, 8) \
+        == normalize_indexer_types("FFSSSFSS", 8) \
+        == normalize_indexer_types({"index_topk_pattern": "FFSSSFSS"}, 8)
+    assert normalize_indexer_types(["full"] * 4, 4) == () == normalize_indexer_types("", 4)
+    assert ModelConfig(indexer_types="FFFF") == ModelConfig()
+    config = ModelConfig(n_layers=4, indexer_types="FSFS")
+    assert [config.selection_source(i) for i in range(4)] == [0, 0, 2, 2]
+    assert ModelConfig.from_dict(config.to_dict()) == config
+    for bad, match in [("SFFF", "layer 0 must be 'full'"), ("FFS", "one entry per layer"),
+                       ("FXFF", "only the letters F"), ({"freq": 2}, "unknown keys"),
+                       ({"index_topk_freq": 0}, "index_topk_freq must be an int >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig(indexer_types=bad)
+    with pytest.raises(ValueError, match=r"flat_index_layers: layers \[1\] are 'shared'"):
+        ModelConfig(indexer_types="FSFF", flat_index_layers=(1,))
