@@ -59,6 +59,7 @@ def test_recall_collection_against_itself_is_perfect(tiny_model):
     assert overlap["recall_mean"] == 1.0 and overlap["iou_mean"] == 1.0
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_selection_on_captured_inputs_equals_the_pass_of_that_config(tiny_model):
     """The hierarchical selection computed on the flat pass's captured indexer inputs is the
     one a hierarchical pass makes itself: the recall the evaluation reports compares the

@@ -138,6 +138,7 @@ def test_window_selection_reads_the_last_top_k_tokens():
     np.testing.assert_allclose(wide, dense, **TOL)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_dense_layers_attend_densely_inside_a_sparse_model():
     dense = _model(3, attention="dense")
     toks = jnp.asarray(_tokens(4, 90))  # > top_k: sparse layers do drop tokens here

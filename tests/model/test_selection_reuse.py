@@ -28,7 +28,8 @@ def full():
                        rngs=nnx.Rngs(3))
 
 
-@pytest.mark.parametrize("indexer", ["flat", "hierarchical"])
+# flat: default-tier time budget, in the slow tier
+@pytest.mark.parametrize("indexer", [pytest.param("flat", marks=pytest.mark.slow), "hierarchical"])
 def test_a_shared_layer_attends_to_its_full_layers_selection(full, indexer):
     """FFS: layer 2 reuses layer 1's selection (the nearest full layer, not layer 0's). The
     full layers select exactly as in the all-full model with the same weights, the shared
