@@ -230,3 +230,83 @@ def hierarchical_plan(config, T, L, top_k, H):
                         for f in config.mass_buckets})
         buckets = tuple((m, min(nb, max(m, math.ceil(n_union * m / n_cand)))) for m in sizes)
     return HierarchicalPlan(tile, chunk, -(-T // chunk), nb, n_cand, n_union, own, buckets)
+
+
+@dataclasses.dataclass(frozen=True)
+class YarnConfig(FrozenConfig):
+    """YaRN RoPE scaling (arXiv 2309.00071) as DeepSeek-V3.2 and GLM-5 configure it
+    (transformers' `rope_parameters` with rope_type "yarn"): rotary frequencies blended
+    between interpolated (divided by `factor`) and original ones over a ramp between the
+    dimensions that rotate beta_fast and beta_slow times within
+    original_max_position_embeddings; cos/sin scaled by mscale(factor, mscale) /
+    mscale(factor, mscale_all_dim) (attention_factor, when given, instead); and attention's
+    softmax scale multiplied by mscale(factor, mscale_all_dim)^2 when mscale_all_dim is set.
+    mscale(s, m) = 0.1 m ln(s) + 1 for s > 1, else 1. Lives here because the indexer's RoPE
+    uses the same frequencies. Invalid values raise ValueError naming the field."""
+
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self):
+        for name in ("factor", "beta_fast", "beta_slow"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"YarnConfig.{name} must be a positive number, got {value!r}")
+        for name in ("mscale", "mscale_all_dim", "attention_factor"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool)
+                                      or not isinstance(value, (int, float)) or value < 0):
+                raise ValueError(f"YarnConfig.{name} must be None or a number >= 0, "
+                                 f"got {value!r}")
+        value = self.original_max_position_embeddings
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"YarnConfig.original_max_position_embeddings must be a positive "
+                             f"int, got {value!r}")
+        if not isinstance(self.truncate, bool):
+            raise ValueError(f"YarnConfig.truncate must be a bool, got {self.truncate!r}")
+
+    @staticmethod
+    def _mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    def cos_sin_factor(self):
+        """What cos and sin are multiplied by."""
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+        if self.mscale and self.mscale_all_dim:
+            return self._mscale(self.factor, self.mscale) / self._mscale(self.factor,
+                                                                        self.mscale_all_dim)
+        return self._mscale(self.factor)
+
+    def softmax_scale_factor(self):
+        """What attention's softmax scale is multiplied by (MLA's mscale^2)."""
+        if not self.mscale_all_dim:
+            return 1.0
+        return self._mscale(self.factor, self.mscale_all_dim) ** 2
+
+    def inverse_frequencies(self, dim, theta):
+        """The blended inverse frequencies of a RoPE of `dim` dims: a list of dim // 2 floats."""
+        def correction_dim(rotations):
+            return (dim * math.log(self.original_max_position_embeddings
+                                   / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001  # as the reference does, against a zero-width ramp
+        out = []
+        for i in range(dim // 2):
+            base = theta ** (2 * i / dim)
+            ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+            extrapolation = 1.0 - ramp  # share of the original frequency
+            out.append((1.0 / (self.factor * base)) * (1 - extrapolation)
+                       + (1.0 / base) * extrapolation)
+        return out

@@ -10,18 +10,22 @@ from indexer.rope import apply_partial_rope
 class LightningIndexer(nnx.Module):
     """DSA lightning indexer projections (DeepSeek-V3.2).
 
-    q_I = W_q(h_q) [T, H_I, d_I] from the query hidden state; k_I = LayerNorm(W_k(x)) [T, d_I],
-    one key per token shared by all indexer heads; w = W_w(x) * H_I^-0.5 * d_I^-0.5 [T, H_I].
-    RoPE (rotate-half) on the first rope_dim dims of q_I and k_I.
+    q_I = W_q(h_q) [T, H_I, d_I] from the query input (the hidden state, or V3.2's q-LoRA
+    residual: q_dim its width); k_I = LayerNorm(W_k(x)) [T, d_I], one key per token shared
+    by all indexer heads; w = W_w(x) * H_I^-0.5 * d_I^-0.5 [T, H_I]. RoPE on the first
+    rope_dim dims of q_I and k_I: rotate-half (V3.2), or interleaved pairs (GLM-5:
+    rope_interleaved), with linear interpolation `rope_scaling` or YaRN frequencies (`yarn`).
     """
 
     def __init__(self, d_model, heads, dim, rope_dim, *, rngs, rope_theta=10000.0,
-                 rope_scaling=1.0, dtype=jnp.float32):
+                 rope_scaling=1.0, dtype=jnp.float32, q_dim=None, yarn=None,
+                 rope_interleaved=False):
         init = nnx.initializers.lecun_normal()
         self.heads, self.dim, self.rope_dim = heads, dim, rope_dim
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
+        self.yarn, self.rope_interleaved = yarn, rope_interleaved
         lin = dict(use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
-        self.wq = nnx.Linear(d_model, heads * dim, **lin)
+        self.wq = nnx.Linear(q_dim or d_model, heads * dim, **lin)
         self.wk = nnx.Linear(d_model, dim, **lin)
         self.k_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
         self.ww = nnx.Linear(d_model, heads, **lin)
@@ -30,7 +34,8 @@ class LightningIndexer(nnx.Module):
         """x: [T, d_model], positions: i32[T] -> (q [T, H_I, d_I], w [T, H_I], k [T, d_I])."""
         hq = x if query_hidden is None else query_hidden
         T = x.shape[0]
-        rope = dict(theta=self.rope_theta, scaling=self.rope_scaling)
+        rope = dict(theta=self.rope_theta, scaling=self.rope_scaling, yarn=self.yarn,
+                    interleaved=self.rope_interleaved)
         q = self.wq(hq).reshape(T, self.heads, self.dim)
         q = apply_partial_rope(q, positions, self.rope_dim, **rope)
         k = apply_partial_rope(self.k_norm(self.wk(x)), positions, self.rope_dim, **rope)

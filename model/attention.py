@@ -46,28 +46,40 @@ def select_tokens(config, layer, q_index, w_index, k_index, *, q_offset, summari
 
 
 class Attention(nnx.Module):
-    """GQA projections + RoPE; the attention itself is one of two pure functions."""
+    """Grouped-query attention's projections + RoPE (the model's own and Llama-family
+    checkpoints); the attention itself is one of two pure functions over the (keys, values)
+    this module reads from the cache. model/mla.py is the other attention kind, with the
+    same four members: project, read, output, scale."""
+
+    CACHE_FIELDS = ("k", "v")  # model.cache.FIELDS: what a GQA layer caches
 
     def __init__(self, config, *, rngs, dtype=jnp.float32):
         c = config
         init = nnx.initializers.lecun_normal()
         lin = dict(use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
-        self.rope_theta, self.rope_scaling = c.rope_theta, c.rope_scaling
+        self.rope_theta, self.rope_scaling, self.yarn = c.rope_theta, c.rope_scaling, c.yarn
+        self.scale = c.head_dim ** -0.5
         self.wq = nnx.Linear(c.d_model, c.n_heads * c.head_dim, **lin)
         self.wk = nnx.Linear(c.d_model, c.n_kv_heads * c.head_dim, **lin)
         self.wv = nnx.Linear(c.d_model, c.n_kv_heads * c.head_dim, **lin)
         self.wo = nnx.Linear(c.n_heads * c.head_dim, c.d_model, **lin)
 
     def project(self, x, positions):
-        """x: [T, d_model] -> q [T, H, D], k [T, H_kv, D], v [T, H_kv, D], RoPE applied."""
+        """x: [T, d_model] -> (q [T, H, D] with RoPE, cache rows {"k", "v": [T, H_kv, D]},
+        the indexer's query input: None, the hidden state itself)."""
         T = x.shape[0]
         cos, sin = rope_angles(positions, self.head_dim, theta=self.rope_theta,
-                               scaling=self.rope_scaling)
+                               scaling=self.rope_scaling, yarn=self.yarn)
         q = apply_rope(self.wq(x).reshape(T, self.n_heads, self.head_dim), cos, sin)
         k = apply_rope(self.wk(x).reshape(T, self.n_kv_heads, self.head_dim), cos, sin)
         v = self.wv(x).reshape(T, self.n_kv_heads, self.head_dim)
-        return q, k, v
+        return q, {"k": k, "v": v}, None
+
+    @staticmethod
+    def read(rows):
+        """Cache rows -> (keys [L, H_kv, D], values [L, H_kv, D])."""
+        return rows["k"], rows["v"]
 
     def output(self, attn):
         return self.wo(attn.reshape(attn.shape[0], -1))

@@ -4,11 +4,13 @@ token. The runner, the engine, the prefix cache and the sharding rules go throug
 functions and name no field.
 
 Every field is one entry of FIELDS: its part ("kv": main attention; "index": the lightning
-indexer's keys and their block summaries), its unit (one row per position, or one per key
-block of `block_size` positions), trailing shape and dtype from the ModelConfig, logical
-axes (model.sharding) and the value an empty row holds. A layer holds the kv fields, and the
-index fields unless its indexer_types entry is "shared" (it runs no indexer). Adding a
-field is one entry here, plus the line of the forward pass that writes it.
+indexer's keys and their block summaries), the attention kind it belongs to ("gqa": K and
+V; "mla": the latent; None: any), its unit (one row per position, or one per key block of
+`block_size` positions), trailing shape and dtype from the ModelConfig, logical axes
+(model.sharding) and the value an empty row holds. A layer holds the kv fields of its
+attention kind, and the index fields unless its indexer_types entry is "shared" (it runs no
+indexer). Adding a field is one entry here, plus the module that writes it (the attention
+kind's `project` returns its rows by name).
 """
 
 import dataclasses
@@ -20,6 +22,7 @@ import numpy as np
 
 from indexer.block_summaries import SUMMARY_LAYOUT, BlockSummaryCache, num_blocks
 from indexer.block_summaries import append as append_summaries
+from model.sharding import check_capacity, logical_to_spec, named
 
 PARTS = ("kv", "index")
 
@@ -28,7 +31,7 @@ PARTS = ("kv", "index")
 class CacheField:
     """part: "kv" | "index"; unit: "token" | "block"; shape: config -> trailing dims;
     dtype: config -> dtype name; axes: logical axes of every dim, rows first; fill: an
-    empty row's value."""
+    empty row's value; attention: the attention kind that holds it (None: every kind)."""
 
     part: str
     unit: str
@@ -36,6 +39,7 @@ class CacheField:
     dtype: Callable
     axes: tuple
     fill: float = 0.0
+    attention: str | None = None
 
 
 def _model_dtype(config):
@@ -44,9 +48,12 @@ def _model_dtype(config):
 
 FIELDS = {
     "k": CacheField("kv", "token", lambda c: (c.n_kv_heads, c.head_dim), _model_dtype,
-                    ("cache_seq", "kv_heads", "head_dim")),
+                    ("cache_seq", "kv_heads", "head_dim"), attention="gqa"),
     "v": CacheField("kv", "token", lambda c: (c.n_kv_heads, c.head_dim), _model_dtype,
-                    ("cache_seq", "kv_heads", "head_dim")),
+                    ("cache_seq", "kv_heads", "head_dim"), attention="gqa"),
+    # MLA: [c | k_rope] per token, one head shared by every attention head (model/mla.py).
+    "kv_latent": CacheField("kv", "token", lambda c: (c.mla.latent_dim,), _model_dtype,
+                            ("cache_seq", "latent"), attention="mla"),
     "k_index": CacheField("index", "token", lambda c: (c.index_dim,), _model_dtype,
                           ("index_cache_seq", "index_dim")),
     **{name: CacheField("index", "block",
@@ -57,10 +64,16 @@ FIELDS = {
 }
 
 
+def attention_kind(config):
+    """"mla" or "gqa": the attention kind of the model's layers."""
+    return "gqa" if config.mla is None else "mla"
+
+
 def layer_fields(config, layer):
     """The fields layer `layer` holds, in FIELDS order."""
-    shared = config.layer_is_shared(layer)
-    return tuple(name for name, f in FIELDS.items() if not (shared and f.part == "index"))
+    shared, kind = config.layer_is_shared(layer), attention_kind(config)
+    return tuple(name for name, f in FIELDS.items()
+                 if f.attention in (None, kind) and not (shared and f.part == "index"))
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -143,7 +156,13 @@ def init_cache(config, capacity):
 
 def cache_capacity(cache, *, batched=False):
     """Positions a cache (a list of LayerCache; batched: a leading slot axis) holds."""
-    return int(cache[0].k.shape[1 if batched else 0])
+    name = next(n for n in cache[0].names if FIELDS[n].unit == "token")
+    return int(cache[0].fields[name].shape[1 if batched else 0])
+
+
+def token_rows(cache, names, kv_len=None):
+    """{name: rows [0, kv_len)} of a layer's per-token fields `names` (None: every row)."""
+    return {name: cache.fields[name][:kv_len] for name in names}
 
 
 # ------------------------------------------------------------------ writes of a step
@@ -164,21 +183,21 @@ def write_index(cache, k_index, start, *, block_size, n_valid=None):
 
 # ------------------------------------------------------------------ sharding
 
+def field_spec(name, *, batched=False):
+    """The PartitionSpec of field `name` (model.sharding's rules over its logical axes)."""
+    return logical_to_spec((("batch",) if batched else ()) + FIELDS[name].axes)
+
+
 def cache_specs(cache, *, batched=False):
     """PartitionSpecs of a list of LayerCache (batched: a leading "batch" axis), by FIELDS'
     logical axes through model.sharding's rules."""
-    from model.sharding import logical_to_spec  # sharding imports this module
-
-    lead = ("batch",) if batched else ()
-    return [LayerCache({name: logical_to_spec(lead + FIELDS[name].axes) for name in c.names})
+    return [LayerCache({name: field_spec(name, batched=batched) for name in c.names})
             for c in cache]
 
 
 def cache_shapes(config, capacity, mesh):
     """ShapeDtypeStructs of init_sharded_cache's result, shardings included (to compile
     steps without allocating a cache)."""
-    from model.sharding import named
-
     shapes = jax.eval_shape(lambda: init_cache(config, capacity))
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, named(mesh, cache_specs(shapes)))
@@ -187,8 +206,6 @@ def cache_shapes(config, capacity, mesh):
 def init_sharded_cache(config, capacity, mesh):
     """Empty caches created directly on their shardings: no device ever holds the whole KV
     cache. ValueError unless the mesh's sequence axis divides capacity."""
-    from model.sharding import check_capacity, named
-
     check_capacity(mesh, capacity)
     shapes = jax.eval_shape(lambda: init_cache(config, capacity))
     return jax.jit(lambda: init_cache(config, capacity),
@@ -277,8 +294,6 @@ def prefix_bytes(prefix):
 def prefix_specs(prefix, sequence_shards):
     """PartitionSpecs to place a host prefix as the cache it goes into: per-token fields by
     their logical axes when the sequence shards divide their rows, the rest replicated."""
-    from model.sharding import logical_to_spec
-
     def spec(name, rows):
         f = FIELDS[name]
         if f.unit == "token" and rows.shape[0] % sequence_shards == 0:

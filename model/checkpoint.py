@@ -22,7 +22,15 @@ from model.transformer import Transformer, with_config
 # when loading, e.g. running a densely trained model with sparse attention.
 ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                        "d_ff", "index_heads", "index_dim", "index_rope_dim", "rope_theta",
-                       "norm_eps", "tie_embeddings")
+                       "norm_eps", "tie_embeddings", "mla", "moe", "yarn",
+                       "index_rope_interleaved")
+
+
+def _architecture(config, name):
+    value = getattr(config, name)
+    if name == "mla" and value is not None:  # absorb is a run-time switch (the same weights)
+        value = value.replace(absorb=True)
+    return value
 
 
 def _manager(directory, max_to_keep=None):
@@ -66,8 +74,8 @@ def read_config(directory, step=None):
 
 def check_compatible(stored, requested):
     diffs = [f"{name}: checkpoint has {getattr(stored, name)!r}, requested "
-             f"{getattr(requested, name)!r}"
-             for name in ARCHITECTURE_FIELDS if getattr(stored, name) != getattr(requested, name)]
+             f"{getattr(requested, name)!r}" for name in ARCHITECTURE_FIELDS
+             if _architecture(stored, name) != _architecture(requested, name)]
     if diffs:
         raise ValueError("checkpoint does not match the requested ModelConfig: " + "; ".join(diffs))
 

@@ -3,8 +3,9 @@
 import dataclasses
 import json
 
-from indexer.config import FrozenConfig, HierarchicalConfig
+from indexer.config import FrozenConfig, HierarchicalConfig, YarnConfig
 from indexer.selection import selection_kind
+from model.architecture import MLAConfig, MoEConfig
 
 ATTENTION_KINDS = ("dense", "sparse")
 DTYPES = ("float32", "bfloat16")
@@ -87,8 +88,13 @@ class ModelConfig(FrozenConfig):
     (GLM-5's field, IndexCache): "full" (the layer runs its indexer) or "shared" (it has no
     indexer, caches no index keys and attends to the selection of the nearest earlier full
     layer); empty: every layer full; layer 0 must be full; other spellings:
-    normalize_indexer_types. Invalid values raise ValueError naming the field and the
-    allowed range.
+    normalize_indexer_types. DeepSeek-style models (V3.2, GLM-5: docs/models.md): mla (an
+    MLAConfig: multi-head latent attention instead of GQA; n_kv_heads and head_dim are then
+    unused; the indexer's queries come from the q-LoRA residual), moe (a MoEConfig: the
+    DeepSeekMoE feed-forward in its "sparse" layers), yarn (a YarnConfig: YaRN RoPE
+    frequencies for attention and the indexer), index_rope_interleaved (the indexer's rotary
+    dims hold interleaved pairs: GLM-5). Invalid values raise ValueError naming the field and
+    the allowed range.
     """
 
     vocab_size: int = 259
@@ -120,14 +126,22 @@ class ModelConfig(FrozenConfig):
     prefill_chunk: int = 1024
     dtype: str = "float32"
     hierarchical: HierarchicalConfig = HierarchicalConfig()
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
+    yarn: YarnConfig | None = None
+    index_rope_interleaved: bool = False
 
     def __post_init__(self):
-        if isinstance(self.hierarchical, dict):
-            object.__setattr__(self, "hierarchical",
-                               HierarchicalConfig.from_dict(self.hierarchical))
-        if not isinstance(self.hierarchical, HierarchicalConfig):
-            raise ValueError(f"ModelConfig.hierarchical must be a HierarchicalConfig or a dict, "
-                             f"got {type(self.hierarchical).__name__}")
+        for name, kind, optional in (("hierarchical", HierarchicalConfig, False),
+                                     ("mla", MLAConfig, True), ("moe", MoEConfig, True),
+                                     ("yarn", YarnConfig, True)):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                object.__setattr__(self, name, value := kind.from_dict(value))
+            if not (isinstance(value, kind) or (optional and value is None)):
+                raise ValueError(f"ModelConfig.{name} must be a {kind.__name__} or a dict"
+                                 f"{', or None' if optional else ''}, got "
+                                 f"{type(value).__name__}")
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                     "d_ff", "max_seq_len", "index_heads", "index_dim", "top_k", "prefill_chunk")
         for name in positive:
@@ -183,6 +197,17 @@ class ModelConfig(FrozenConfig):
         if shared:
             raise ValueError(f"ModelConfig.flat_index_layers: layers {shared} are 'shared' in "
                              "indexer_types: they run no selection of their own")
+        if not isinstance(self.index_rope_interleaved, bool):
+            raise ValueError(f"ModelConfig.index_rope_interleaved must be a bool, got "
+                             f"{self.index_rope_interleaved!r}")
+        types = self.moe.mlp_layer_types if self.moe is not None else ()
+        if types and len(types) != self.n_layers:
+            raise ValueError(f"ModelConfig.moe.mlp_layer_types must have one entry per layer "
+                             f"({self.n_layers}), got {len(types)}")
+        if self.mla is not None and self.index_rope_dim > self.mla.qk_rope_head_dim:
+            raise ValueError(f"ModelConfig.index_rope_dim ({self.index_rope_dim}) must be <= "
+                             f"mla.qk_rope_head_dim ({self.mla.qk_rope_head_dim}): the indexer "
+                             f"rotates with attention's frequencies")
         budget = self.hierarchical.candidate_tokens
         if self.indexer == "hierarchical" and budget is not None and budget < self.top_k:
             raise ValueError(f"ModelConfig.hierarchical.candidate_tokens must be >= top_k "
@@ -196,6 +221,10 @@ class ModelConfig(FrozenConfig):
     def layer_is_sparse(self, layer):
         """Whether layer `layer` attends to the indexer's selection (else dense)."""
         return self.attention == "sparse" and layer not in self.dense_layers
+
+    def layer_is_moe(self, layer):
+        """Whether layer `layer`'s feed-forward is the MoE (else the dense SwiGLU)."""
+        return self.moe is not None and self.moe.layer_is_moe(layer)
 
     def layer_is_shared(self, layer):
         """Whether layer `layer` reuses an earlier layer's selection (indexer_types)."""

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from indexer.selection import selection_kind
 from model.attention import select_tokens
+from model.cache import field_spec
 
 try:  # jax >= 0.7 (the 0.11 GPU hosts and 0.12 here) export it at the top level.
     _shard_map = jax.shard_map
@@ -113,27 +114,34 @@ class SequenceParallel:
         and block summaries are replicated, so each shard appends them locally)."""
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P()))
 
-    def write_kv(self, k_cache, v_cache, k_new, v_new, start):
-        """The chunk's keys and values written into the sequence-split cache: each shard
-        stores the rows that fall in its positions (a plain dynamic_update_slice on a split
-        axis would make GSPMD gather the whole cache first).
+    def write_rows(self, fields, rows, start):
+        """A chunk's cache rows written into the sequence-split cache: each shard stores the
+        rows that fall in its positions (a plain dynamic_update_slice on a split axis would
+        make GSPMD gather the whole cache first).
 
-        k_cache, v_cache: [C, H_kv, D] split over (sequence, tensor); k_new, v_new:
-        [T, H_kv, D] at positions start..start+T-1 -> (k_cache, v_cache)."""
-        seq, ten = self.sequence_axis, self.tensor_axis
+        fields: {name: [C, ...]} per-token cache fields split as model.cache says; rows:
+        {name: [T, ...]} the chunk's, at positions start..start+T-1 -> {name: new field}."""
+        seq = self.sequence_axis
+        names = tuple(fields)
 
-        def body(k_local, v_local, k_new, v_new, start):
-            C_s = k_local.shape[0]
-            rows = start + jnp.arange(k_new.shape[0]) - jax.lax.axis_index(seq) * C_s
-            rows = jnp.where((rows >= 0) & (rows < C_s), rows, C_s)  # C_s: dropped
-            return (k_local.at[rows].set(k_new.astype(k_local.dtype), mode="drop"),
-                    v_local.at[rows].set(v_new.astype(v_local.dtype), mode="drop"))
+        def body(start, *arrays):
+            local, new = arrays[:len(names)], arrays[len(names):]
+            out = []
+            for cache_rows, new_rows in zip(local, new):
+                C_s = cache_rows.shape[0]
+                pos = start + jnp.arange(new_rows.shape[0]) - jax.lax.axis_index(seq) * C_s
+                pos = jnp.where((pos >= 0) & (pos < C_s), pos, C_s)  # C_s: dropped
+                out.append(cache_rows.at[pos].set(new_rows.astype(cache_rows.dtype),
+                                                  mode="drop"))
+            return tuple(out)
 
-        kv_spec, new_spec = P(seq, ten, None), P(None, ten, None)
-        fn = _shard_map(body, mesh=self.mesh, in_specs=(kv_spec, kv_spec, new_spec, new_spec,
-                                                        P()),
-                        out_specs=(kv_spec, kv_spec), check_vma=False)
-        return fn(k_cache, v_cache, k_new, v_new, jnp.asarray(start, jnp.int32))
+        specs = tuple(field_spec(n) for n in names)
+        new_specs = tuple(P(None, *spec[1:]) for spec in specs)  # the chunk's rows, whole
+        fn = _shard_map(body, mesh=self.mesh, in_specs=(P(), *specs, *new_specs),
+                        out_specs=specs, check_vma=False)
+        out = fn(jnp.asarray(start, jnp.int32), *(fields[n] for n in names),
+                 *(rows[n] for n in names))
+        return dict(zip(names, out))
 
     def select(self, config, layer, q_index, w_index, k_index, *, q_offset, summaries=None,
                screen=None):
@@ -183,26 +191,28 @@ class SequenceParallel:
                         check_vma=False)
         return fn(*args)
 
-    def sparse_attention(self, q, k_cache, v_cache, indices):
+    def sparse_attention(self, q, fields, read, indices, *, scale=None):
         """Sparse attention over a sequence-sharded cache: each shard's softmax partials over
         the selected tokens it owns, combined (the KV rows never move).
 
-        q: [T, H, D] (RoPE applied); k_cache, v_cache: [C, H_kv, D] split over (sequence,
-        tensor), with this chunk already written; indices: i32[T, top_k] global positions,
-        replicated (from `select`). -> out [T, H, Dv] in q's dtype, equal to the
-        single-device path."""
+        q: [T, H, D] (RoPE applied); fields: {name: [C, ...]} the layer's per-token cache
+        fields, split over the sequence axis, with this chunk already written; read: the
+        attention kind's rows -> (keys [C_s, H_kv, D], values [C_s, H_kv, Dv]) (applied to
+        each shard's own rows); indices: i32[T, top_k] global positions, replicated (from
+        `select`). -> out [T, H, Dv] in q's dtype, equal to the single-device path."""
         T = q.shape[0]
         S, seq, ten = self.shards, self.sequence_axis, self.tensor_axis
+        names = tuple(fields)
         # Split output rows (reduce-scatter) when they divide: activations are split too.
         scatter = T % S == 0
 
-        def body(q, k_local, v_local, indices):
+        def body(q, indices, *local):
+            k_local, v_local = read(dict(zip(names, local)))
             base = jax.lax.axis_index(seq) * k_local.shape[0]
-            logits, values = partial_attention(q, k_local, v_local, indices, base)
+            logits, values = partial_attention(q, k_local, v_local, indices, base, scale=scale)
             return combine_partials(logits, values, seq, scatter=scatter).astype(q.dtype)
 
-        kv_spec = P(seq, ten, None)
         fn = _shard_map(body, mesh=self.mesh,
-                        in_specs=(P(None, ten, None), kv_spec, kv_spec, P()),
+                        in_specs=(P(None, ten, None), P(), *(field_spec(n) for n in names)),
                         out_specs=P(seq if scatter else None, ten, None), check_vma=False)
-        return fn(q, k_cache, v_cache, indices)
+        return fn(q, indices, *(fields[n] for n in names))

@@ -31,9 +31,11 @@ LOGICAL_RULES = {
     "heads": "tensor",          # query heads (flattened heads x head_dim in kernels)
     "kv_heads": "tensor",       # key/value heads
     "mlp": "tensor",            # the MLP's hidden dimension d_ff
+    "experts": None,            # routed experts: every device holds all (no expert axis yet)
     "embed": None,              # d_model
     "vocab": None,
     "head_dim": None,
+    "latent": None,             # MLA's cached latent: one head, whole on every tensor shard
     "index_heads": None,        # the indexer stays whole on every device (see above)
     "index_dim": None,
     "index_cache_seq": None,    # indexer keys: replicated, all-gathered as written
@@ -43,6 +45,18 @@ LOGICAL_RULES = {
 # Parameter path (regex over "a/b/c") -> logical axes of the array (None: replicated,
 # any rank); first match wins.
 PARAM_RULES = (
+    # MLA (model/mla.py): the low-rank down-projections and the latent stay whole (one
+    # latent head serves every attention head); the up-projections split over heads.
+    (r"attn/(q_a|kv_a)/kernel$", ("embed", "latent")),
+    (r"attn/(q_a_norm|kv_a_norm)/scale$", ("latent",)),
+    (r"attn/(q_b|kv_b)/kernel$", ("latent", "heads")),
+    # DeepSeekMoE (model/moe.py): the router whole; the routed experts' hidden dimension
+    # split over "tensor" like the dense MLP's, the shared experts as a dense MLP.
+    (r"mlp/(router|bias)$", None),
+    (r"mlp/(gate|up)$", ("experts", "embed", "mlp")),
+    (r"mlp/down$", ("experts", "mlp", "embed")),
+    (r"mlp/shared/(gate|up)/kernel$", ("embed", "mlp")),
+    (r"mlp/shared/down/kernel$", ("mlp", "embed")),
     (r"attn/wq/kernel$", ("embed", "heads")),
     (r"attn/w[kv]/kernel$", ("embed", "kv_heads")),
     (r"attn/wo/kernel$", ("heads", "embed")),
@@ -87,11 +101,15 @@ def axis_size(mesh, axis):
 
 
 def check_mesh(config, mesh):
-    """ValueError unless the tensor axis divides n_heads, n_kv_heads and d_ff (mesh: a
-    Mesh or a {axis: size} dict)."""
+    """ValueError unless the tensor axis divides n_heads, n_kv_heads, d_ff and the experts'
+    hidden size (mesh: a Mesh or a {axis: size} dict)."""
     tp = axis_size(mesh, "tensor")
-    for name in ("n_heads", "n_kv_heads", "d_ff"):
-        value = getattr(config, name)
+    names = ["n_heads", "n_kv_heads", "d_ff"] + (["moe.moe_intermediate_size"]
+                                                 if config.moe is not None else [])
+    for name in names:
+        value = config
+        for part in name.split("."):
+            value = getattr(value, part)
         if value % tp:
             allowed = [d for d in range(1, value + 1) if value % d == 0]
             raise ValueError(f"mesh: tensor={tp} must divide ModelConfig.{name}={value}; "

@@ -14,8 +14,10 @@ from flax import nnx
 import pallas_kernels
 from indexer.module import CoarseScreen, LightningIndexer
 from model.attention import Attention, dense_causal_attention, select_tokens
-from model.cache import init_cache, write_index, write_rows
+from model.cache import init_cache, token_rows, write_index, write_rows
 from model.layers import RMSNorm, SwiGLU
+from model.mla import MLAttention
+from model.moe import MoE
 
 # What a pass can capture, per layer, for the T queries of the call:
 #   "indexer":          IndexerInputs(q [T, H_I, d_I], w f32[T, H_I], k [T, d_I]) - the
@@ -65,20 +67,28 @@ class DecoderBlock(nnx.Module):
         self.config = config
         self.layer = layer  # index in the stack, for the config's per-layer switches
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.attn = Attention(config, rngs=rngs, dtype=dtype)
+        # The attention kind (GQA, or MLA for DeepSeek-style models): project / read /
+        # output / scale, over the cache fields it names (model.cache).
+        attention = Attention if config.mla is None else MLAttention
+        self.attn = attention(config, rngs=rngs, dtype=dtype)
         if config.layer_is_shared(layer):
             self.indexer = self.coarse_screen = None
         else:
-            self.indexer = LightningIndexer(config.d_model, config.index_heads,
-                                            config.index_dim, config.index_rope_dim,
-                                            rope_theta=config.rope_theta,
-                                            rope_scaling=config.indexer_rope_scaling,
-                                            dtype=dtype, rngs=rngs)
+            # V3.2's indexer reads its queries from MLA's q-LoRA residual.
+            self.indexer = LightningIndexer(
+                config.d_model, config.index_heads, config.index_dim, config.index_rope_dim,
+                rope_theta=config.rope_theta, rope_scaling=config.indexer_rope_scaling,
+                dtype=dtype, rngs=rngs, yarn=config.yarn,
+                q_dim=None if config.mla is None else config.mla.q_lora_rank,
+                rope_interleaved=config.index_rope_interleaved)
             # The hierarchical indexer's learned coarse screen (HierarchicalConfig.coarse =
             # "learned"); in every full block, so run-time switches never change the graph.
             self.coarse_screen = CoarseScreen(config.index_heads, config.index_dim)
         self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        self.mlp = SwiGLU(config.d_model, config.d_ff, dtype=dtype, rngs=rngs)
+        if config.layer_is_moe(layer):
+            self.mlp = MoE(config.d_model, config.moe, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = SwiGLU(config.d_model, config.d_ff, dtype=dtype, rngs=rngs)
 
     def __call__(self, x, cache, start, kv_len, n_valid=None, capture=(), parallel=None,
                  handoff=None):
@@ -99,17 +109,22 @@ class DecoderBlock(nnx.Module):
         T = x.shape[0]
         positions = start + jnp.arange(T)
         h = self.attn_norm(x)
-        q, k, v = self.attn.project(h, positions)
+        q, rows, index_query = self.attn.project(h, positions)
+        names = tuple(rows)
         if parallel is None:
-            cache = cache.replace(k=write_rows(cache.k, k, start), v=write_rows(cache.v, v, start))
+            cache = cache.replace(**{n: write_rows(cache.fields[n], r, start)
+                                     for n, r in rows.items()})
         else:  # the cache is split over positions: each shard writes its own rows
-            cache = cache.replace(**dict(zip("kv", parallel.write_kv(cache.k, cache.v, k, v,
-                                                                    start))))
+            cache = cache.replace(**parallel.write_rows(token_rows(cache, names, None), rows,
+                                                        start))
         if self.indexer is None:
             inputs, indices = handoff
         else:
             # The indexer learns only from its own loss (DSA): its input is detached.
-            inputs = IndexerInputs(*self.indexer(jax.lax.stop_gradient(h), positions))
+            inputs = IndexerInputs(*self.indexer(
+                jax.lax.stop_gradient(h), positions,
+                query_hidden=None if index_query is None
+                else jax.lax.stop_gradient(index_query)))
             if parallel is not None:  # every shard scores every key: all-gather the new ones
                 inputs = inputs._replace(k=parallel.replicate(inputs.k))
             cache = write_index(cache, inputs.k, start,
@@ -123,20 +138,24 @@ class DecoderBlock(nnx.Module):
         captured = {}
         if "indexer" in capture:
             captured["indexer"] = inputs
-        keys, values = cache.k[:kv_len], cache.v[:kv_len]
+        scale = self.attn.scale
         if config.layer_is_sparse(self.layer):
             if parallel is None:
-                out = pallas_kernels.sparse_attention(q, keys, values, indices)
+                keys, values = self.attn.read(token_rows(cache, names, kv_len))
+                out = pallas_kernels.sparse_attention(q, keys, values, indices, scale=scale)
             else:
-                out = parallel.sparse_attention(q, cache.k, cache.v, indices)
+                out = parallel.sparse_attention(q, token_rows(cache, names, None),
+                                                self.attn.read, indices, scale=scale)
             if "indices" in capture:
                 captured["indices"] = indices
-        elif "attention_target" in capture:
-            out, p = dense_causal_attention(q, keys, values, q_offset=start,
-                                            return_head_sum=True)
-            captured["attention_target"] = jax.lax.stop_gradient(p)
         else:
-            out = dense_causal_attention(q, keys, values, q_offset=start)
+            keys, values = self.attn.read(token_rows(cache, names, kv_len))
+            if "attention_target" in capture:
+                out, p = dense_causal_attention(q, keys, values, q_offset=start, scale=scale,
+                                                return_head_sum=True)
+                captured["attention_target"] = jax.lax.stop_gradient(p)
+            else:
+                out = dense_causal_attention(q, keys, values, q_offset=start, scale=scale)
             if "indices" in capture:
                 captured["indices"] = jnp.full((T, config.top_k), -1, jnp.int32)
         x = x + self.attn.output(out)

@@ -50,7 +50,8 @@ def render_chat(tokenizer, model_id, messages):
     for name, attr in (("bos_token", "bos_id"), ("eos_token", "eos_id")):
         token_id = getattr(tokenizer, attr, None)
         inner = getattr(tokenizer, "tokenizer", None)
-        special[name] = inner.id_to_token(token_id) if inner is not None else ""
+        special[name] = (inner.id_to_token(token_id)
+                         if inner is not None and token_id is not None else "")
     try:
         return env.from_string(template).render(messages=messages, add_generation_prompt=True,
                                                 **special)
@@ -68,7 +69,7 @@ class Generation:
         self.queue = asyncio.Queue()
         tokenizer = service.loaded.tokenizer
         seed = params.seed if params.seed is not None else secrets.randbits(31)
-        stop_ids = frozenset() if params.ignore_eos else frozenset({tokenizer.eos_id})
+        stop_ids = frozenset() if params.ignore_eos else tokenizer.stop_ids
         self.request = EngineRequest(
             id=rid, prompt=np.asarray(prompt_ids, np.int32), max_tokens=max_tokens,
             deliver=lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event),

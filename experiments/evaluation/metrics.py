@@ -42,11 +42,15 @@ def selections_on_captured(config, captured, cache, q_offset, length):
     -> i32[n_layers, Q, top_k]. A shared layer (indexer_types) selects what its full layer
     does, over that layer's keys."""
     q, w = captured["indexer"].q, captured["indexer"].w
-    kv_len = min(cache_capacity(cache), length_bucket(length))
+    capacity = cache_capacity(cache)
+    kv_len = min(capacity, length_bucket(length))
+    # The pass's summaries serve when `config` cuts blocks the same way; else (another
+    # block_size, an ablation) the selection builds its own from the keys.
+    same_blocks = cache[0].summaries.n_blocks == -(-capacity // config.hierarchical.block_size)
     out = []
     for i in range(config.n_layers):
         c = cache[config.selection_source(i)]
         out.append(np.asarray(layer_selection(config, i, q_offset, jnp.asarray(q[i]),
                                               jnp.asarray(w[i]), c.k_index[:kv_len],
-                                              c.summaries)))
+                                              c.summaries if same_blocks else None)))
     return np.stack(out)

@@ -23,7 +23,8 @@ from model.pretrained.indexer_weights import (
     read_indexer_meta,
 )
 from model.pretrained.llama import PretrainedFormatError, build_transformer, llama_config
-from model.pretrained.safetensors_dir import SafetensorsCheckpoint
+from model.pretrained.mla_moe import build_dsa_transformer, dsa_config
+from model.pretrained.safetensors_dir import DSA_FAMILIES, SafetensorsCheckpoint
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 CACHE_ENV_VAR = "DOSA_CACHE_DIR"
@@ -148,8 +149,9 @@ def default_indexer_dir(name):
 
 def load_pretrained(name_or_path, *, dtype="float32", indexer_dir="default", seed=0,
                     **overrides):
-    """A pretrained Llama-family model as a dosa Transformer -> Pretrained(model, tokenizer,
-    info).
+    """A pretrained model as a dosa Transformer -> Pretrained(model, tokenizer, info): a
+    Llama-family checkpoint with a DSA indexer retrofitted by dosa, or a DeepSeek-style DSA
+    checkpoint (DeepSeek-V3.2, GLM-5: a Hugging Face folder, its own trained indexers).
 
     name_or_path: a name in PRETRAINED (fetched on first use) or a path to a .gguf file or a
     Hugging Face folder. indexer_dir: where the trained DSA indexer lives ("default":
@@ -160,6 +162,9 @@ def load_pretrained(name_or_path, *, dtype="float32", indexer_dir="default", see
     named = name_or_path in PRETRAINED
     path = fetch_pretrained(name_or_path) if named else pathlib.Path(name_or_path)
     checkpoint = open_checkpoint(path)
+    if getattr(checkpoint, "family", "llama") != "llama":
+        return _load_dsa_family(checkpoint, path, dtype=dtype, indexer_dir=indexer_dir,
+                                **overrides)
     if indexer_dir == "default":
         indexer_dir = default_indexer_dir(name_or_path) if named else None
     if indexer_dir is not None and not has_indexer_weights(indexer_dir):
@@ -190,4 +195,19 @@ def load_pretrained(name_or_path, *, dtype="float32", indexer_dir="default", see
     elif model.config.hierarchical.coarse == "learned":
         raise ValueError("hierarchical.coarse='learned' needs a trained indexer and its coarse "
                          "screens (indexer_dir)")
+    return Pretrained(model, checkpoint.tokenizer(), info)
+
+
+def _load_dsa_family(checkpoint, path, *, dtype, indexer_dir, **overrides):
+    """A DeepSeek-V3.2 / GLM-5 Hugging Face folder: its config, weights (trained indexers
+    included) and tokenizer (model.pretrained.mla_moe)."""
+    if indexer_dir not in ("default", None):
+        raise ValueError(f"{path}: a {checkpoint.family} checkpoint carries its own trained "
+                         "indexers; indexer_dir does not apply")
+    family = DSA_FAMILIES[checkpoint.family]
+    config = dsa_config(checkpoint.config, family, source=path, dtype=dtype, **overrides)
+    model = build_dsa_transformer(config, checkpoint.read, source=path,
+                                  names=checkpoint.names)
+    info = dict(name=None, path=str(path), format="safetensors", family=family.model_type,
+                indexer="checkpoint", chat=family.chat)
     return Pretrained(model, checkpoint.tokenizer(), info)

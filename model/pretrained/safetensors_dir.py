@@ -1,18 +1,28 @@
-"""Reading a Hugging Face Llama folder: config.json, *.safetensors, tokenizer.json."""
+"""Reading a Hugging Face model folder: config.json, *.safetensors (one file or shards with
+model.safetensors.index.json), tokenizer.json. Which family it holds (Llama, DeepSeek-V3.2,
+GLM-5) decides how it becomes a dosa model (model.pretrained.registry)."""
 
 import json
 import pathlib
 
 import numpy as np
 
+from model.pretrained.deepseek_v32 import FAMILY as DEEPSEEK_V32
+from model.pretrained.glm_moe_dsa import FAMILY as GLM_MOE_DSA
 from model.pretrained.llama import LlamaHParams, PretrainedFormatError
 
-ARCHITECTURES = ("LlamaForCausalLM",)
+# The DeepSeek-style families (model.pretrained.mla_moe), by model_type.
+DSA_FAMILIES = {f.model_type: f for f in (DEEPSEEK_V32, GLM_MOE_DSA)}
+# architectures / model_type -> family ("llama" or a DSA_FAMILIES key).
+ARCHITECTURES = {"LlamaForCausalLM": "llama",
+                 **{f.architecture: f.model_type for f in DSA_FAMILIES.values()}}
+MODEL_TYPES = {"llama": "llama", **{name: name for name in DSA_FAMILIES}}
 
 
 class SafetensorsCheckpoint:
     """A folder holding config.json, one or more *.safetensors and tokenizer.json:
-    `.hparams`, `.read(hf_name)` -> float32 numpy, `.tokenizer()`."""
+    `.family` ("llama", "deepseek_v32", "glm_moe_dsa"), `.config` (config.json),
+    `.hparams` (Llama only), `.read(hf_name)` -> float32 numpy, `.names`, `.tokenizer()`."""
 
     def __init__(self, path):
         self.path = pathlib.Path(path)
@@ -25,17 +35,44 @@ class SafetensorsCheckpoint:
         except json.JSONDecodeError as e:
             raise PretrainedFormatError(f"{config_path}: invalid JSON ({e})") from e
         archs = self.config.get("architectures") or []
-        if not set(archs) & set(ARCHITECTURES):
-            raise PretrainedFormatError(f"{config_path}: architectures {archs}; dosa loads "
-                                        f"{list(ARCHITECTURES)}")
-        self.files = sorted(self.path.glob("*.safetensors"))
-        if not self.files:
+        family = {ARCHITECTURES[a] for a in archs if a in ARCHITECTURES}
+        if not family and self.config.get("model_type") in MODEL_TYPES:
+            family = {MODEL_TYPES[self.config["model_type"]]}
+        if len(family) != 1:
+            raise PretrainedFormatError(
+                f"{config_path}: architectures {archs}, model_type "
+                f"{self.config.get('model_type')!r}; dosa loads {sorted(ARCHITECTURES)} "
+                f"(model_type {sorted(MODEL_TYPES)})")
+        self.family = family.pop()
+        self.index = self._tensor_index()
+        self.files = sorted(set(self.index.values()))
+        self.hparams = self._hparams() if self.family == "llama" else None
+
+    @property
+    def names(self):
+        return tuple(self.index)
+
+    def _tensor_index(self):
+        """tensor name -> file: from model.safetensors.index.json's weight_map when there
+        is one (every file it names must exist), else from the files' own headers."""
+        index_path = self.path / "model.safetensors.index.json"
+        if index_path.is_file():
+            try:
+                weight_map = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise PretrainedFormatError(f"{index_path}: not a safetensors index "
+                                            f"({type(e).__name__}: {e})") from e
+            out = {}
+            for name, file in weight_map.items():
+                out[name] = self.path / file
+                if not out[name].is_file():
+                    raise PretrainedFormatError(f"{index_path}: tensor {name} is in {file}, "
+                                                "which is not in the folder")
+            return out
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
             raise FileNotFoundError(f"{self.path}: no *.safetensors file")
-        self.index = {}
-        for f in self.files:
-            for name in self._keys(f):
-                self.index[name] = f
-        self.hparams = self._hparams()
+        return {name: f for f in files for name in self._keys(f)}
 
     @staticmethod
     def _keys(file):
@@ -75,8 +112,8 @@ class SafetensorsCheckpoint:
 
         file = self.index.get(name)
         if file is None:
-            raise PretrainedFormatError(f"{self.path}: tensor {name} is in none of "
-                                        f"{[f.name for f in self.files]}")
+            raise PretrainedFormatError(f"{self.path}: tensor {name} is missing: it is in none "
+                                        f"of {[f.name for f in self.files]}")
         try:
             with safe_open(str(file), framework="numpy") as handle:
                 return np.asarray(handle.get_tensor(name), np.float32)

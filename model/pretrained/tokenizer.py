@@ -12,11 +12,14 @@ CONTROL, USER_DEFINED = 3, 4
 
 
 class HFTokenizer:
-    """A `tokenizers.Tokenizer` with the checkpoint's BOS/EOS ids and chat template."""
+    """A `tokenizers.Tokenizer` with the checkpoint's BOS/EOS ids and chat template.
+    bos_id may be None (GLM-5 has none); eos_id is one id or a list (GLM-5 stops at any of
+    three): `eos_id` is the first, `stop_ids` all of them."""
 
     def __init__(self, tokenizer, *, bos_id, eos_id, chat_template=None, add_bos=False):
         self.tokenizer = tokenizer
-        self.bos_id, self.eos_id = bos_id, eos_id
+        eos = [int(e) for e in (eos_id if isinstance(eos_id, (list, tuple)) else [eos_id])]
+        self.bos_id, self.eos_id, self.stop_ids = bos_id, eos[0], frozenset(eos)
         self.chat_template = chat_template
         self.add_bos = add_bos  # what the checkpoint asks for by default
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -41,6 +44,7 @@ class ByteTokenizer:
 
         self._byte = byte
         self.bos_id, self.eos_id, self.vocab_size = byte.BOS, byte.EOS, byte.VOCAB_SIZE
+        self.stop_ids = frozenset({byte.EOS})
         self.chat_template = None
         self.add_bos = True
 
@@ -107,7 +111,11 @@ def tokenizer_from_hf_folder(path, config):
     cfg_file = path / "tokenizer_config.json"
     if cfg_file.is_file():
         extra = json.loads(cfg_file.read_text())
-    return HFTokenizer(tok, bos_id=int(config.get("bos_token_id", 1)),
-                       eos_id=int(config.get("eos_token_id", 2)),
-                       chat_template=extra.get("chat_template"),
-                       add_bos=bool(extra.get("add_bos_token", False)))
+    # Newer checkpoints keep the template in its own file.
+    template = extra.get("chat_template")
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    bos = config.get("bos_token_id", 1)
+    return HFTokenizer(tok, bos_id=None if bos is None else int(bos),
+                       eos_id=config.get("eos_token_id", 2), chat_template=template,
+                       add_bos=bool(extra.get("add_bos_token", False)) and bos is not None)

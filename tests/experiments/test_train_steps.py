@@ -48,8 +48,8 @@ def test_kl_target_is_the_head_summed_softmax_of_the_layers_own_projections(tiny
     T = tokens.shape[0]
     layer = tiny.layers[0]
     x = tiny.embed(tokens)  # the input of layer 0
-    q, k, _ = (np.asarray(a, np.float64)
-               for a in layer.attn.project(layer.attn_norm(x), jnp.arange(T)))
+    q, rows, _ = layer.attn.project(layer.attn_norm(x), jnp.arange(T))
+    q, k = np.asarray(q, np.float64), np.asarray(rows["k"], np.float64)
     H, D = q.shape[1:]
     group = H // k.shape[1]
     future = np.triu(np.ones((T, T), bool), k=1)

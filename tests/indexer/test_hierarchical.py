@@ -41,9 +41,12 @@ def cfg(**kw):
 @pytest.mark.parametrize("T,L,top_k,q_offset,kw", [
     (40, 40, 8, 0, dict()),                                    # prefill from 0, per query
     (24, 100, 16, 76, dict(query_tile=4, block_size=7)),        # block not dividing L, tiles
-    (21, 90, 8, 69, dict(query_tile=3, fine_batch_size=9, share_tile_candidates=True)),
-    (16, 64, 12, 48, dict(query_tile=8, bound_blocks=1, refine_blocks=1,
-                          tile_candidate_tokens=16)),           # union cut, bound slots
+    # default-tier time budget: these two in the slow tier
+    pytest.param(21, 90, 8, 69, dict(query_tile=3, fine_batch_size=9,
+                                     share_tile_candidates=True), marks=pytest.mark.slow),
+    pytest.param(16, 64, 12, 48, dict(query_tile=8, bound_blocks=1, refine_blocks=1,
+                                      tile_candidate_tokens=16),  # union cut, bound slots
+                 marks=pytest.mark.slow),
     (5, 33, 40, 28, dict(candidate_tokens=40)),                 # top_k > visible: -1 padding
 ])
 def test_exact_mode_equals_flat_on_random_inputs(T, L, top_k, q_offset, kw):
@@ -299,7 +302,8 @@ def test_budget_rules_and_call_time_checks():
         indexer.hierarchical_topk(q, w, k, 4, cfg(coarse_heads=9))
 
 
-@pytest.mark.parametrize("exact", [False, True])
+# exact: default-tier time budget, in the slow tier
+@pytest.mark.parametrize("exact", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_pallas_kernels_slot_in(exact):
     """Coarse and fine scores through the dispatch's Pallas kernels (interpreted on CPU)
     select the same tokens as the XLA references."""

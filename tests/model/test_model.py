@@ -29,7 +29,8 @@ def test_shapes_and_dtypes(sparse_model):
     assert np.isfinite(np.asarray(logits)).all()
 
 
-@pytest.mark.parametrize("attention", ["dense", "sparse"])
+# dense: default-tier time budget, in the slow tier
+@pytest.mark.parametrize("attention", [pytest.param("dense", marks=pytest.mark.slow), "sparse"])
 def test_causality(attention):
     model = _model(1, attention=attention)
     toks = _tokens(2, 48)
@@ -75,7 +76,8 @@ def runner_forward_last(runner, toks):
     return np.asarray(model.forward(jnp.asarray(toks)))[-1]
 
 
-@pytest.mark.parametrize("attention", ["dense", "sparse"])
+# dense: default-tier time budget, in the slow tier
+@pytest.mark.parametrize("attention", [pytest.param("dense", marks=pytest.mark.slow), "sparse"])
 def test_prefill_then_decode_equals_prefill_of_concatenation(attention):
     runner = ModelRunner(_model(4, attention=attention))
     toks = _tokens(6, 70)

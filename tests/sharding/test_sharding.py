@@ -130,6 +130,23 @@ def test_sharded_prefill_and_decode_equal_one_device(indexer, meshes):
         _check_equal(r, exact_indices=r["sequence"] > 1 and r["tensor"] == 1)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_dsa_families_shard_like_one_device(family):
+    """MLA + MoE (+ GLM-5's shared layers) on meshes: the latent cache splits over the
+    sequence axis and stays whole on each tensor shard (one head serves all heads)."""
+    results = _run(["equality", f"fixture:{family}", "sequence=4,tensor=2;sequence=8"],
+                   devices=8)
+    for r in results:
+        assert r["last_logits_max_abs_diff"] < 1e-4 * max(1.0, r["last_logits_scale"]), r
+        assert r["same_next_token"] and r["decode_tokens_equal"], r
+        assert r["indices"]["identical"] == r["indices"]["rows"], r["indices"]
+        assert r["shardings_follow_rules"], r
+        m = r["memory"]
+        assert m["kv_per_device"] * r["sequence"] == m["kv_total"], m
+        assert m["replicated_per_device"] == m["replicated_total"], m
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("localhost", 0))

@@ -3,17 +3,20 @@ starts); prints one JSON line. Modes:
 
     python -m tests.sharding.worker equality INDEXER[:TYPES] MESH[;MESH...]
         sharded vs single-device prefill + decode (experiments.benchmarks.sharded.compare);
-        TYPES: the tiny model's indexer_types as a pattern (e.g. FS)
+        TYPES: the tiny model's indexer_types as a pattern (e.g. FS); INDEXER "fixture:F":
+        the DSA family fixture F (tests/fixtures/dsa/F) on its own third prompt
     python -m tests.sharding.worker process ADDRESS NUM_PROCESSES PROCESS_ID MESH
         one process of a jax.distributed job: sharded prefill vs this process's own
         single-device prefill
 """
 
 import json
+import pathlib
 import sys
 
 import numpy as np
 
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "dsa"
 N_TOKENS = 150  # not a multiple of the tiny preset's chunk (64) or block (8)
 DECODE_STEPS = 3
 
@@ -23,12 +26,18 @@ def _model(indexer):
 
     from model import Transformer, get_config
 
+    if indexer.startswith("fixture:"):
+        from model.pretrained import load_pretrained
+
+        return load_pretrained(FIXTURES / indexer.split(":", 1)[1]).model
     indexer, _, types = indexer.partition(":")
     return Transformer(get_config("tiny", indexer=indexer, indexer_types=types),
                        rngs=nnx.Rngs(0))
 
 
-def _tokens():
+def _tokens(indexer=""):
+    if indexer.startswith("fixture:"):
+        return np.load(FIXTURES / indexer.split(":", 1)[1] / "reference.npz")["prompt_2"]
     return np.random.default_rng(0).integers(0, 259, N_TOKENS).astype(np.int32)
 
 
@@ -56,7 +65,7 @@ def equality(indexer, meshes):
     from experiments.benchmarks.sharded import compare
 
     jax.config.update("jax_disable_most_optimizations", True)  # compile time, as in tests
-    model, tokens, reference, out = _model(indexer), _tokens(), None, []
+    model, tokens, reference, out = _model(indexer), _tokens(indexer), None, []
     for i, mesh in enumerate(meshes.split(";")):
         # The first mesh also compiles its first chunk step for its collectives.
         r, reference = compare(model, tokens, mesh, decode_steps=DECODE_STEPS,

@@ -1,0 +1,110 @@
+"""The optional parts of a ModelConfig that make a DeepSeek-style model: multi-head latent
+attention (MLAConfig, model/mla.py) and the DeepSeekMoE feed-forward (MoEConfig,
+model/moe.py). Frozen, validated, JAX-free (serving reads configs before JAX starts)."""
+
+import dataclasses
+
+from indexer.config import FrozenConfig
+
+MLP_LAYER_TYPES = ("dense", "sparse")  # transformers' names: a dense MLP, or the MoE
+
+
+def _positive_int(cls, name, value, lo=1):
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{cls}.{name} must be an int >= {lo}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig(FrozenConfig):
+    """Multi-head latent attention (DeepSeek-V2/V3, V3.2, GLM-5).
+
+    q = q_b(RMSNorm(q_a(x))) per head [qk_nope_head_dim | qk_rope_head_dim]; the kv latent
+    kv_a(x) = [c (kv_lora_rank) | k_rope (qk_rope_head_dim)], c RMSNorm'd, k_rope one
+    head shared by all; kv_b expands c into each head's [k_nope | v]. The cache holds only
+    [c | k_rope] per token. absorb: attend in the MQA form over the latent (kv_b folded into
+    the queries and the output: the cost of a 576-dim single-head attention for V3.2); False:
+    expand K and V for every read token (the reference form, equal up to rounding).
+    """
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    absorb: bool = True
+
+    def __post_init__(self):
+        for name in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            _positive_int("MLAConfig", name, getattr(self, name))
+        _positive_int("MLAConfig", "qk_rope_head_dim", self.qk_rope_head_dim, 2)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"MLAConfig.qk_rope_head_dim must be even for RoPE, got "
+                             f"{self.qk_rope_head_dim}")
+        if not isinstance(self.absorb, bool):
+            raise ValueError(f"MLAConfig.absorb must be a bool, got {self.absorb!r}")
+
+    @property
+    def qk_head_dim(self):
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self):
+        """What the cache holds per token: the latent and the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(FrozenConfig):
+    """DeepSeekMoE: n_shared_experts always-on experts plus num_experts_per_tok of
+    n_routed_experts routed ones, each a SwiGLU of moe_intermediate_size. The router's
+    scores are sigmoid(x W^T) in float32; the choice adds e_score_correction_bias and is
+    group-limited (experts in n_group groups, a group's score the sum of its 2 best, the
+    topk_group best groups kept); the weights are the chosen experts' unbiased scores,
+    normalised to sum 1 when norm_topk_prob, times routed_scaling_factor.
+    mlp_layer_types: per layer "dense" (the model's SwiGLU of d_ff) or "sparse" (this MoE);
+    empty: every layer sparse (transformers' first_k_dense_replace = k is k "dense" first).
+    """
+
+    n_routed_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    mlp_layer_types: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "n_group", "topk_group"):
+            _positive_int("MoEConfig", name, getattr(self, name))
+        _positive_int("MoEConfig", "n_shared_experts", self.n_shared_experts, 0)
+        E, G = self.n_routed_experts, self.n_group
+        if E % G:
+            raise ValueError(f"MoEConfig.n_group ({G}) must divide n_routed_experts ({E})")
+        if G > 1 and E // G < 2:
+            raise ValueError(f"MoEConfig: group-limited routing scores a group by its 2 best "
+                             f"experts; n_routed_experts / n_group = {E // G} < 2")
+        if self.topk_group > G:
+            raise ValueError(f"MoEConfig.topk_group must be in [1, n_group = {G}], got "
+                             f"{self.topk_group}")
+        reachable = self.topk_group * (E // G)
+        if self.num_experts_per_tok > reachable:
+            raise ValueError(f"MoEConfig.num_experts_per_tok must be in [1, topk_group x "
+                             f"experts per group = {reachable}], got {self.num_experts_per_tok}")
+        value = self.routed_scaling_factor
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"MoEConfig.routed_scaling_factor must be a positive number, "
+                             f"got {value!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"MoEConfig.norm_topk_prob must be a bool, got "
+                             f"{self.norm_topk_prob!r}")
+        types = self.mlp_layer_types
+        if not isinstance(types, (tuple, list)) or any(t not in MLP_LAYER_TYPES for t in types):
+            raise ValueError(f"MoEConfig.mlp_layer_types must be a list of {MLP_LAYER_TYPES}, "
+                             f"got {types!r}")
+        object.__setattr__(self, "mlp_layer_types", tuple(types))
+
+    def layer_is_moe(self, layer):
+        return not self.mlp_layer_types or self.mlp_layer_types[layer] == "sparse"

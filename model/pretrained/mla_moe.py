@@ -1,0 +1,210 @@
+"""DeepSeek-style checkpoints (MLA + DeepSeekMoE + the lightning indexer, as DeepSeek-V3.2
+and GLM-5 release them on Hugging Face) -> the dosa Transformer.
+
+What differs between the families is in their own files (model/pretrained/deepseek_v32.py,
+glm_moe_dsa.py: a DSAFamily each); this module reads their common config.json keys and
+maps the released tensor names onto dosa's parameters, checking every shape. Released
+checkpoints carry one multi-token-prediction layer past num_hidden_layers
+(model.layers.{N}.*): it is not part of the model and is never read.
+"""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from indexer.config import YarnConfig
+from model.architecture import MLAConfig, MoEConfig
+from model.config import ModelConfig
+from model.pretrained.llama import PretrainedFormatError
+from model.transformer import Transformer
+
+
+@dataclasses.dataclass(frozen=True)
+class DSAFamily:
+    """model_type: config.json's; architecture: its class name; index_rope_interleaved:
+    the indexer's rotary dims hold interleaved pairs (GLM-5) or halves (V3.2);
+    reads_indexer_types: config.json's indexer_types (GLM-5's shared layers)."""
+
+    model_type: str
+    architecture: str
+    index_rope_interleaved: bool
+    reads_indexer_types: bool
+    chat: str  # how chat prompts are formatted (docs/models.md)
+
+
+def _get(config, key, source, default=KeyError):
+    if key not in config or config[key] is None:
+        if default is KeyError:
+            raise PretrainedFormatError(f"{source}: config.json key {key!r} is missing")
+        return default
+    return config[key]
+
+
+def yarn_config(config, source):
+    """The YarnConfig of config.json's rope_parameters (or the older rope_scaling +
+    rope_theta), None for plain RoPE -> (rope_theta, YarnConfig or None)."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "yarn":
+        raise PretrainedFormatError(f"{source}: rope type {kind!r} is not supported (dosa reads "
+                                    "default and yarn)")
+    factor = rope.get("factor")
+    original = int(_get(rope, "original_max_position_embeddings", source))
+    if factor is None:  # as transformers: the ratio of the context lengths
+        factor = _get(config, "max_position_embeddings", source) / original
+    return theta, YarnConfig(
+        factor=float(factor), original_max_position_embeddings=original,
+        beta_fast=float(rope.get("beta_fast") or 32.0),
+        beta_slow=float(rope.get("beta_slow") or 1.0), mscale=rope.get("mscale"),
+        mscale_all_dim=rope.get("mscale_all_dim"),
+        attention_factor=rope.get("attention_factor"),
+        truncate=bool(rope.get("truncate", True)))
+
+
+def dsa_config(config, family, *, source, dtype="float32", **overrides):
+    """ModelConfig of a DeepSeek-style config.json (family: a DSAFamily): every layer
+    sparse with its indexer's flat top index_topk, as the checkpoints run."""
+    g = lambda key, default=KeyError: _get(config, key, source, default)  # noqa: E731
+    if g("hidden_act", "silu") != "silu":
+        raise PretrainedFormatError(f"{source}: hidden_act {g('hidden_act')!r}; dosa's MLP is "
+                                    "SwiGLU (silu)")
+    if g("attention_bias", False) or g("mlp_bias", False):
+        raise PretrainedFormatError(f"{source}: attention_bias / mlp_bias: dosa's projections "
+                                    "have no bias")
+    if g("scoring_func", "sigmoid") != "sigmoid":
+        raise PretrainedFormatError(f"{source}: scoring_func {g('scoring_func')!r}; dosa's "
+                                    "router is DeepSeek-V3's sigmoid")
+    n_layers = int(g("num_hidden_layers"))
+    types = g("mlp_layer_types", None)
+    if types is None:
+        dense = min(int(g("first_k_dense_replace", 0)), n_layers)
+        types = ["dense"] * dense + ["sparse"] * (n_layers - dense)
+    theta, yarn = yarn_config(config, source)
+    mla = MLAConfig(q_lora_rank=int(g("q_lora_rank")), kv_lora_rank=int(g("kv_lora_rank")),
+                    qk_nope_head_dim=int(g("qk_nope_head_dim")),
+                    qk_rope_head_dim=int(g("qk_rope_head_dim")),
+                    v_head_dim=int(g("v_head_dim")))
+    moe = MoEConfig(n_routed_experts=int(g("n_routed_experts")),
+                    num_experts_per_tok=int(g("num_experts_per_tok")),
+                    moe_intermediate_size=int(g("moe_intermediate_size")),
+                    n_shared_experts=int(g("n_shared_experts", 1)), n_group=int(g("n_group", 1)),
+                    topk_group=int(g("topk_group", 1)),
+                    routed_scaling_factor=float(g("routed_scaling_factor", 1.0)),
+                    norm_topk_prob=bool(g("norm_topk_prob", True)), mlp_layer_types=tuple(types))
+    heads = int(g("num_attention_heads"))
+    values = dict(
+        vocab_size=int(g("vocab_size")), d_model=int(g("hidden_size")), n_layers=n_layers,
+        n_heads=heads, n_kv_heads=heads, head_dim=mla.qk_head_dim,
+        d_ff=int(g("intermediate_size")), max_seq_len=int(g("max_position_embeddings")),
+        rope_theta=theta, norm_eps=float(g("rms_norm_eps", 1e-6)),
+        index_heads=int(g("index_n_heads")), index_dim=int(g("index_head_dim")),
+        index_rope_dim=mla.qk_rope_head_dim, top_k=int(g("index_topk")), attention="sparse",
+        indexer="flat", tie_embeddings=bool(g("tie_word_embeddings", False)), dtype=dtype,
+        mla=mla, moe=moe, yarn=yarn, index_rope_interleaved=family.index_rope_interleaved)
+    if family.reads_indexer_types:
+        values["indexer_types"] = tuple(g("indexer_types", ()))
+    try:
+        return ModelConfig(**{**values, **overrides})
+    except ValueError as e:
+        raise PretrainedFormatError(f"{source}: {e}") from e
+
+
+def tensor_map(config):
+    """Released tensor name -> (path of the dosa parameter, transposed?, expert index or
+    None, numpy shape in the file) for every tensor a DeepSeek-style model reads."""
+    c, m, moe = config, config.mla, config.moe
+    D, H = c.d_model, c.n_heads
+    out = {"model.embed_tokens.weight": (("embed", "embedding"), False, None, (c.vocab_size, D)),
+           "model.norm.weight": (("final_norm", "scale"), False, None, (D,))}
+    if not c.tie_embeddings:
+        out["lm_head.weight"] = (("lm_head", "kernel"), True, None, (c.vocab_size, D))
+    for i in range(c.n_layers):
+        p, L = f"model.layers.{i}.", ("layers", i)
+
+        def linear(name, ours, rows, cols, p=p, L=L):
+            out[p + name + ".weight"] = ((*L, *ours, "kernel"), True, None, (rows, cols))
+
+        def vector(name, ours, n, p=p, L=L):
+            out[p + name] = ((*L, *ours), False, None, (n,))
+
+        vector("input_layernorm.weight", ("attn_norm", "scale"), D)
+        vector("post_attention_layernorm.weight", ("mlp_norm", "scale"), D)
+        a = "self_attn."
+        linear(a + "q_a_proj", ("attn", "q_a"), m.q_lora_rank, D)
+        vector(a + "q_a_layernorm.weight", ("attn", "q_a_norm", "scale"), m.q_lora_rank)
+        linear(a + "q_b_proj", ("attn", "q_b"), H * m.qk_head_dim, m.q_lora_rank)
+        linear(a + "kv_a_proj_with_mqa", ("attn", "kv_a"), m.latent_dim, D)
+        vector(a + "kv_a_layernorm.weight", ("attn", "kv_a_norm", "scale"), m.kv_lora_rank)
+        linear(a + "kv_b_proj", ("attn", "kv_b"), H * (m.qk_nope_head_dim + m.v_head_dim),
+               m.kv_lora_rank)
+        linear(a + "o_proj", ("attn", "wo"), D, H * m.v_head_dim)
+        if not c.layer_is_shared(i):
+            x = a + "indexer."
+            linear(x + "wq_b", ("indexer", "wq"), c.index_heads * c.index_dim, m.q_lora_rank)
+            linear(x + "wk", ("indexer", "wk"), c.index_dim, D)
+            vector(x + "k_norm.weight", ("indexer", "k_norm", "scale"), c.index_dim)
+            vector(x + "k_norm.bias", ("indexer", "k_norm", "bias"), c.index_dim)
+            linear(x + "weights_proj", ("indexer", "ww"), c.index_heads, D)
+        if not c.layer_is_moe(i):
+            for name in ("gate", "up"):
+                linear(f"mlp.{name}_proj", ("mlp", name), c.d_ff, D)
+            linear("mlp.down_proj", ("mlp", "down"), D, c.d_ff)
+            continue
+        F = moe.moe_intermediate_size
+        out[p + "mlp.gate.weight"] = ((*L, "mlp", "router"), False, None,
+                                      (moe.n_routed_experts, D))
+        vector("mlp.gate.e_score_correction_bias", ("mlp", "bias"), moe.n_routed_experts)
+        for e in range(moe.n_routed_experts):
+            for name in ("gate", "up"):
+                out[p + f"mlp.experts.{e}.{name}_proj.weight"] = ((*L, "mlp", name), True, e,
+                                                                  (F, D))
+            out[p + f"mlp.experts.{e}.down_proj.weight"] = ((*L, "mlp", "down"), True, e, (D, F))
+        if moe.n_shared_experts:
+            S = F * moe.n_shared_experts
+            for name in ("gate", "up"):
+                linear(f"mlp.shared_experts.{name}_proj", ("mlp", "shared", name), S, D)
+            linear("mlp.shared_experts.down_proj", ("mlp", "shared", "down"), D, S)
+    return out
+
+
+def _variable(model, path):
+    node = model
+    for key in path:
+        node = node[key] if isinstance(key, int) else getattr(node, key)
+    return node
+
+
+def build_dsa_transformer(config, read_tensor, *, source, names):
+    """A Transformer for `config` with every weight from read_tensor(name) (float32 numpy,
+    released names; `names`: the tensors the files hold). PretrainedFormatError naming
+    `source` and the tensor for a missing, misshapen or non-finite one. Tensors past the
+    model (the multi-token-prediction layer) are never read."""
+    wanted = tensor_map(config)
+    missing = sorted(set(wanted) - set(names))
+    if missing:
+        raise PretrainedFormatError(f"{source}: tensors missing from the checkpoint: "
+                                    f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    model = Transformer(config, rngs=nnx.Rngs(0))
+    experts = {}  # path -> the stacked [E, ...] array being filled
+    for name, (path, transpose, expert, shape) in wanted.items():
+        array = np.asarray(read_tensor(name), np.float32)
+        if array.shape != shape:
+            raise PretrainedFormatError(f"{source}: tensor {name} has shape {array.shape}, "
+                                        f"the config needs {shape}")
+        if not np.all(np.isfinite(array)):
+            raise PretrainedFormatError(f"{source}: tensor {name} holds non-finite values")
+        array = array.T if transpose else array
+        variable = _variable(model, path)
+        if expert is None:
+            variable[...] = jnp.asarray(array, variable.dtype)
+        else:
+            experts.setdefault(path, np.zeros(variable.shape, np.float32))[expert] = array
+    for path, stack in experts.items():
+        variable = _variable(model, path)
+        variable[...] = jnp.asarray(stack, variable.dtype)
+    return model

@@ -1,0 +1,46 @@
+"""`python -m serving` on the DeepSeek-style fixture checkpoints (tests/fixtures/dsa): an
+OpenAI completion generates what the runner does, GLM-5's chat goes through its template,
+and V3.2 (whose release ships a Python chat encoder, not a template) refuses chat clearly."""
+
+import pathlib
+
+import httpx
+import numpy as np
+import pytest
+
+from model import ModelRunner
+from model.pretrained import load_pretrained
+from serving.service import Service
+from tests.serving.conftest import AUTH, RunningServer, test_config
+
+FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "dsa"
+
+
+@pytest.mark.slow  # compiles an MLA + MoE model's buckets
+@pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])
+def test_a_served_completion_equals_the_runners_greedy_tokens(family):
+    folder = FIXTURES / family
+    service = Service(test_config(model=str(folder), max_context=256, warmup_max_context=128,
+                                  cache_block_tokens=64))
+    running = RunningServer(service)
+    service.start()
+    try:
+        assert service.wait_ready(300), service.error
+        with httpx.Client(base_url=running.url, headers=AUTH, timeout=120) as client:
+            r = client.post("/v1/completions", json=dict(prompt="The key is", max_tokens=6,
+                                                         temperature=0, ignore_eos=True))
+            assert r.status_code == 200, r.text
+            pre = load_pretrained(folder)
+            ids = pre.tokenizer.encode("The key is")
+            want = list(ModelRunner(pre.model).generate(np.asarray(ids), 6))
+            assert r.json()["choices"][0]["text"] == pre.tokenizer.decode(want)
+            chat = client.post("/v1/chat/completions", json=dict(
+                messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0))
+            if family == "glm_moe_dsa":
+                assert chat.status_code == 200, chat.text
+            else:
+                assert chat.status_code == 400 and "chat template" in chat.text, chat.text
+            metrics = client.get("/metrics").text
+            assert "dosa_prefix_cache_queries_total" in metrics
+    finally:
+        running.stop()
