@@ -166,6 +166,11 @@ def sparse_attention_pallas(q, k, v, indices, *, scale=None,
     Gp, Dp, Dvp = dot_dim(G), dot_dim(D), dot_dim(Dv)
     bh = max(16, min(config.block_h, Gp))
     bk = max(16, min(config.block_k, dot_dim(K)))
+    # Keep a stage's gathered K and V rows within the default's 64 KiB (128 x (128 + 128)
+    # bf16) when the heads are wider, e.g. absorbed MLA's 576 (padded 1024) + 512 dims.
+    row_bytes = (Dp + Dvp) * jnp.dtype(jnp.promote_types(q.dtype, k.dtype)).itemsize
+    while bk > 16 and bk * row_bytes > 65536:
+        bk //= 2
     Kp = round_up(K, bk)
     dtype = jnp.promote_types(q.dtype, k.dtype)
 

@@ -147,7 +147,7 @@ def default_indexer_dir(name):
     return REPO_ROOT / "checkpoints" / name
 
 
-def load_pretrained(name_or_path, *, dtype="float32", indexer_dir="default", seed=0,
+def load_pretrained(name_or_path, *, dtype=None, indexer_dir="default", seed=0,
                     **overrides):
     """A pretrained model as a dosa Transformer -> Pretrained(model, tokenizer, info): a
     Llama-family checkpoint with a DSA indexer retrofitted by dosa, or a DeepSeek-style DSA
@@ -157,7 +157,9 @@ def load_pretrained(name_or_path, *, dtype="float32", indexer_dir="default", see
     Hugging Face folder. indexer_dir: where the trained DSA indexer lives ("default":
     checkpoints/<name>/ for a named model, none for a path; None: fresh indexers, e.g. to
     warm them up). With indexer weights, their stored config's run-time switches (top_k,
-    dense_layers, ...) are the defaults; `overrides` change any run-time switch.
+    dense_layers, ...) are the defaults; `overrides` change any run-time switch. dtype:
+    "float32" or "bfloat16"; None: float32 for a Llama checkpoint, a DSA checkpoint's own
+    (bfloat16 for FP8 weights, which are dequantized on load).
     """
     named = name_or_path in PRETRAINED
     path = fetch_pretrained(name_or_path) if named else pathlib.Path(name_or_path)
@@ -172,6 +174,7 @@ def load_pretrained(name_or_path, *, dtype="float32", indexer_dir="default", see
             indexer_dir = None  # not trained yet: fresh indexers, said in info
         else:
             raise FileNotFoundError(f"no indexer weights under {indexer_dir}")
+    dtype = dtype or "float32"
     config = llama_config(checkpoint.hparams, dtype=dtype)
     info = dict(name=name_or_path if named else None, path=str(path),
                 format="gguf" if isinstance(checkpoint, GGUFCheckpoint) else "safetensors",
@@ -205,6 +208,10 @@ def _load_dsa_family(checkpoint, path, *, dtype, indexer_dir, **overrides):
         raise ValueError(f"{path}: a {checkpoint.family} checkpoint carries its own trained "
                          "indexers; indexer_dir does not apply")
     family = DSA_FAMILIES[checkpoint.family]
+    if dtype is None:  # the checkpoint's: FP8 weights are dequantized into bf16
+        stored = checkpoint.config.get("dtype") or checkpoint.config.get("torch_dtype")
+        dtype = ("bfloat16" if checkpoint.config.get("quantization_config")
+                 else stored if stored in ("float32", "bfloat16") else "bfloat16")
     config = dsa_config(checkpoint.config, family, source=path, dtype=dtype, **overrides)
     model = build_dsa_transformer(config, checkpoint.read, source=path,
                                   names=checkpoint.names)

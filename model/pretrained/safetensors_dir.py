@@ -7,6 +7,7 @@ import pathlib
 
 import numpy as np
 
+from model.pretrained import fp8
 from model.pretrained.deepseek_v32 import FAMILY as DEEPSEEK_V32
 from model.pretrained.glm_moe_dsa import FAMILY as GLM_MOE_DSA
 from model.pretrained.llama import LlamaHParams, PretrainedFormatError
@@ -44,6 +45,7 @@ class SafetensorsCheckpoint:
                 f"{self.config.get('model_type')!r}; dosa loads {sorted(ARCHITECTURES)} "
                 f"(model_type {sorted(MODEL_TYPES)})")
         self.family = family.pop()
+        self._headers = {}
         self.index = self._tensor_index()
         self.files = sorted(set(self.index.values()))
         self.hparams = self._hparams() if self.family == "llama" else None
@@ -108,18 +110,37 @@ class SafetensorsCheckpoint:
             tie_embeddings=bool(get("tie_word_embeddings", False)))
 
     def read(self, name):
-        from safetensors import safe_open
-
+        """Tensor `name` as float32 (FP8 e4m3 weights dequantized with their block scales,
+        model.pretrained.fp8)."""
         file = self.index.get(name)
         if file is None:
             raise PretrainedFormatError(f"{self.path}: tensor {name} is missing: it is in none "
                                         f"of {[f.name for f in self.files]}")
         try:
-            with safe_open(str(file), framework="numpy") as handle:
-                return np.asarray(handle.get_tensor(name), np.float32)
+            header, data_start = self._header(file)
+            if header[name][0] not in fp8.RAW_DTYPES:
+                from safetensors import safe_open
+
+                with safe_open(str(file), framework="numpy") as handle:
+                    return np.asarray(handle.get_tensor(name), np.float32)
+            q = fp8.read_raw(file, header[name], data_start)
         except Exception as e:
             raise PretrainedFormatError(f"{file}: tensor {name} cannot be read: "
                                         f"{type(e).__name__}: {e}") from e
+        block = fp8.block_size(self.config, self.path / "config.json")
+        scale = name + fp8.SCALE_SUFFIX
+        if block is None or scale not in self.index:
+            raise PretrainedFormatError(f"{file}: tensor {name} is {header[name][0]} but the "
+                                        f"folder has no {scale} / fp8 quantization_config")
+        try:
+            return fp8.dequantize(q, self.read(scale), block)
+        except ValueError as e:
+            raise PretrainedFormatError(f"{file}: tensor {name}: {e}") from e
+
+    def _header(self, file):
+        if file not in self._headers:
+            self._headers[file] = fp8.read_header(file)
+        return self._headers[file]
 
     def tokenizer(self):
         from model.pretrained.tokenizer import tokenizer_from_hf_folder

@@ -28,6 +28,9 @@ ATTENTION_SHAPES = {
     "small": (4, 1, 64, 1000, 3000, 256),
     "bench": (16, 1, 128, 4096, 65536, 2048),
     "mqa-128-heads": (128, 1, 128, 1024, 65536, 2048),
+    # V3.2's absorbed MLA: 128 heads over one latent key of 512 + 64 = 576 dims (padded to
+    # 1024 for Triton's power-of-two tiles), values the 512-dim latent.
+    "mla-absorbed": (128, 1, 576, 256, 32768, 2048, 512),
 }
 
 
@@ -53,8 +56,9 @@ def _gathered(shape):
 
 
 def _sparse(shape):
-    H, H_kv, D, T, L, K = ATTENTION_SHAPES[shape]
-    structs = (S((T, H, D), BF16), S((L, H_kv, D), BF16), S((L, H_kv, D), BF16),
+    H, H_kv, D, T, L, K, *Dv = ATTENTION_SHAPES[shape]
+    Dv = Dv[0] if Dv else D
+    structs = (S((T, H, D), BF16), S((L, H_kv, D), BF16), S((L, H_kv, Dv), BF16),
                S((T, K), I32))
     return sparse_attention_pallas, structs
 
