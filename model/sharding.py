@@ -169,8 +169,11 @@ def named(mesh, specs):
 def put(tree, shardings):
     """Places host or single-device arrays on global shardings. Works across processes
     (jax.distributed): each process fills its own shards from its copy, which must be the
-    same on every process."""
+    same on every process. Arrays already placed so (a model streamed onto the mesh as it
+    loaded) are kept as they are, never gathered."""
     def one(x, sharding):
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
         host = np.asarray(x)
         return jax.make_array_from_callback(host.shape, sharding, lambda idx: host[idx])
     return jax.tree.map(one, tree, shardings)

@@ -10,11 +10,13 @@ checkpoints carry one multi-token-prediction layer past num_hidden_layers
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from indexer.config import YarnConfig
+from indexer.module import CoarseScreen
 from model.architecture import MLAConfig, MoEConfig
 from model.config import ModelConfig
 from model.pretrained.llama import PretrainedFormatError
@@ -172,39 +174,58 @@ def tensor_map(config):
     return out
 
 
-def _variable(model, path):
-    node = model
-    for key in path:
-        node = node[key] if isinstance(key, int) else getattr(node, key)
-    return node
-
-
-def build_dsa_transformer(config, read_tensor, *, source, names):
+def build_dsa_transformer(config, read_tensor, *, source, names, mesh=None):
     """A Transformer for `config` with every weight from read_tensor(name) (float32 numpy,
-    released names; `names`: the tensors the files hold). PretrainedFormatError naming
-    `source` and the tensor for a missing, misshapen or non-finite one. Tensors past the
-    model (the multi-token-prediction layer) are never read."""
+    released names; `names`: the tensors the files hold), streamed: the model is created
+    abstractly (shapes only), then each parameter is read, converted and placed, on one
+    device or, with `mesh`, directly with its sharding (model.sharding's rules: each device
+    receives its slice), so the host holds about one parameter at a time (a layer's routed
+    experts are stacked first: [E, D, F]). PretrainedFormatError naming `source` and the
+    tensor for a missing, misshapen or non-finite one. Tensors past the model (the
+    multi-token-prediction layer) are never read."""
+    from model import sharding
+
     wanted = tensor_map(config)
     missing = sorted(set(wanted) - set(names))
     if missing:
         raise PretrainedFormatError(f"{source}: tensors missing from the checkpoint: "
                                     f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    model = Transformer(config, rngs=nnx.Rngs(0))
-    experts = {}  # path -> the stacked [E, ...] array being filled
-    for name, (path, transpose, expert, shape) in wanted.items():
-        array = np.asarray(read_tensor(name), np.float32)
-        if array.shape != shape:
-            raise PretrainedFormatError(f"{source}: tensor {name} has shape {array.shape}, "
-                                        f"the config needs {shape}")
-        if not np.all(np.isfinite(array)):
-            raise PretrainedFormatError(f"{source}: tensor {name} holds non-finite values")
-        array = array.T if transpose else array
-        variable = _variable(model, path)
-        if expert is None:
-            variable[...] = jnp.asarray(array, variable.dtype)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    flat = dict(nnx.to_flat_state(state))
+    specs = dict(nnx.to_flat_state(sharding.param_specs(state))) if mesh is not None else {}
+
+    def place(path, host):
+        variable = flat[path]
+        host = np.asarray(host, variable.dtype)
+        if mesh is None:
+            value = jnp.asarray(host)
         else:
-            experts.setdefault(path, np.zeros(variable.shape, np.float32))[expert] = array
-    for path, stack in experts.items():
-        variable = _variable(model, path)
-        variable[...] = jnp.asarray(stack, variable.dtype)
-    return model
+            target = jax.sharding.NamedSharding(mesh, specs[path].get_value())
+            value = jax.make_array_from_callback(host.shape, target, lambda idx: host[idx])
+        flat[path] = variable.replace(value)
+
+    by_param = {}  # parameter path -> its tensors (one, or one per expert)
+    for name, (path, transpose, expert, shape) in wanted.items():
+        by_param.setdefault(tuple(path), []).append((name, transpose, expert, shape))
+    for path, tensors in by_param.items():
+        stacked = None
+        for name, transpose, expert, shape in tensors:
+            array = np.asarray(read_tensor(name), np.float32)
+            if array.shape != shape:
+                raise PretrainedFormatError(f"{source}: tensor {name} has shape "
+                                            f"{array.shape}, the config needs {shape}")
+            if not np.all(np.isfinite(array)):
+                raise PretrainedFormatError(f"{source}: tensor {name} holds non-finite values")
+            array = array.T if transpose else array
+            if expert is None:
+                stacked = array
+            else:
+                if stacked is None:
+                    stacked = np.empty(flat[path].shape, np.float32)
+                stacked[expert] = array
+        place(path, stacked)
+    # What no checkpoint holds: the hierarchical indexer's coarse screens start untrained.
+    screen = nnx.state(CoarseScreen(config.index_heads, config.index_dim))
+    for path in [p for p in flat if "coarse_screen" in p]:
+        place(path, screen[path[-1]].get_value())
+    return nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())))

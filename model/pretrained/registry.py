@@ -147,7 +147,7 @@ def default_indexer_dir(name):
     return REPO_ROOT / "checkpoints" / name
 
 
-def load_pretrained(name_or_path, *, dtype=None, indexer_dir="default", seed=0,
+def load_pretrained(name_or_path, *, dtype=None, indexer_dir="default", seed=0, mesh=None,
                     **overrides):
     """A pretrained model as a dosa Transformer -> Pretrained(model, tokenizer, info): a
     Llama-family checkpoint with a DSA indexer retrofitted by dosa, or a DeepSeek-style DSA
@@ -159,14 +159,16 @@ def load_pretrained(name_or_path, *, dtype=None, indexer_dir="default", seed=0,
     warm them up). With indexer weights, their stored config's run-time switches (top_k,
     dense_layers, ...) are the defaults; `overrides` change any run-time switch. dtype:
     "float32" or "bfloat16"; None: float32 for a Llama checkpoint, a DSA checkpoint's own
-    (bfloat16 for FP8 weights, which are dequantized on load).
+    (bfloat16 for FP8 weights, which are dequantized on load). mesh: a DSA checkpoint's
+    parameters are streamed onto it with their shardings as they are read (a Llama
+    checkpoint is built on one device; ModelRunner(mesh=) places it).
     """
     named = name_or_path in PRETRAINED
     path = fetch_pretrained(name_or_path) if named else pathlib.Path(name_or_path)
     checkpoint = open_checkpoint(path)
     if getattr(checkpoint, "family", "llama") != "llama":
         return _load_dsa_family(checkpoint, path, dtype=dtype, indexer_dir=indexer_dir,
-                                **overrides)
+                                mesh=mesh, **overrides)
     if indexer_dir == "default":
         indexer_dir = default_indexer_dir(name_or_path) if named else None
     if indexer_dir is not None and not has_indexer_weights(indexer_dir):
@@ -201,7 +203,7 @@ def load_pretrained(name_or_path, *, dtype=None, indexer_dir="default", seed=0,
     return Pretrained(model, checkpoint.tokenizer(), info)
 
 
-def _load_dsa_family(checkpoint, path, *, dtype, indexer_dir, **overrides):
+def _load_dsa_family(checkpoint, path, *, dtype, indexer_dir, mesh=None, **overrides):
     """A DeepSeek-V3.2 / GLM-5 Hugging Face folder: its config, weights (trained indexers
     included) and tokenizer (model.pretrained.mla_moe)."""
     if indexer_dir not in ("default", None):
@@ -214,7 +216,7 @@ def _load_dsa_family(checkpoint, path, *, dtype, indexer_dir, **overrides):
                  else stored if stored in ("float32", "bfloat16") else "bfloat16")
     config = dsa_config(checkpoint.config, family, source=path, dtype=dtype, **overrides)
     model = build_dsa_transformer(config, checkpoint.read, source=path,
-                                  names=checkpoint.names)
+                                  names=checkpoint.names, mesh=mesh)
     info = dict(name=None, path=str(path), format="safetensors", family=family.model_type,
                 indexer="checkpoint", chat=family.chat)
     return Pretrained(model, checkpoint.tokenizer(), info)

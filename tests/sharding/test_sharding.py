@@ -145,6 +145,10 @@ def test_dsa_families_shard_like_one_device(family):
         m = r["memory"]
         assert m["kv_per_device"] * r["sequence"] == m["kv_total"], m
         assert m["replicated_per_device"] == m["replicated_total"], m
+    # Loaded straight onto a mesh: every parameter already where the rules put it.
+    r = _run(["streamed", family, "sequence=2,tensor=2,data=2"], devices=8)
+    assert r["placed_by_rules"] and r["devices"] == 8, r
+    assert r["max_abs_diff"] < 1e-4 * max(1.0, r["scale"]), r
 
 
 def _free_port():

@@ -5,6 +5,8 @@ starts); prints one JSON line. Modes:
         sharded vs single-device prefill + decode (experiments.benchmarks.sharded.compare);
         TYPES: the tiny model's indexer_types as a pattern (e.g. FS); INDEXER "fixture:F":
         the DSA family fixture F (tests/fixtures/dsa/F) on its own third prompt
+    python -m tests.sharding.worker streamed FAMILY MESH
+        a DSA fixture loaded straight onto MESH (load_pretrained(mesh=)) vs one device
     python -m tests.sharding.worker process ADDRESS NUM_PROCESSES PROCESS_ID MESH
         one process of a jax.distributed job: sharded prefill vs this process's own
         single-device prefill
@@ -75,6 +77,28 @@ def equality(indexer, meshes):
     return out
 
 
+def streamed(family, mesh_text):
+    import jax
+    from flax import nnx
+
+    from experiments.benchmarks.sharded import shardings_follow_rules
+    from model import ModelRunner
+    from model.pretrained import load_pretrained
+    from model.sharding import make_mesh
+
+    mesh = make_mesh(mesh_text)
+    on_mesh = load_pretrained(FIXTURES / family, mesh=mesh).model
+    state = nnx.state(on_mesh)
+    placed = shardings_follow_rules(state, [])  # the loader placed them, not the runner
+    on_mesh_devices = {d.id for x in jax.tree.leaves(state) for d in x.sharding.device_set}
+    tokens = _tokens(f"fixture:{family}")
+    got, _ = ModelRunner(on_mesh, mesh=mesh).prefill(tokens)
+    want, _ = ModelRunner(load_pretrained(FIXTURES / family).model).prefill(tokens)
+    return {"placed_by_rules": bool(placed), "devices": len(on_mesh_devices),
+            "max_abs_diff": float(np.max(np.abs(np.asarray(got) - np.asarray(want)))),
+            "scale": float(np.max(np.abs(np.asarray(want))))}
+
+
 def process(address, num_processes, process_id, mesh_text):
     from model.sharding import initialize_distributed, make_mesh
 
@@ -100,5 +124,5 @@ def process(address, num_processes, process_id, mesh_text):
 
 if __name__ == "__main__":
     mode, *args = sys.argv[1:]
-    result = {"equality": equality, "process": process}[mode](*args)
+    result = {"equality": equality, "process": process, "streamed": streamed}[mode](*args)
     print("RESULT " + json.dumps(result), flush=True)
