@@ -18,13 +18,14 @@ class LoadedModel:
     description: str
 
 
-def load_model(name, overrides=None, *, mesh=None):
+def load_model(name, overrides=None, *, mesh=None, context=None):
     """-> LoadedModel. name: "default" (checkpoints/small, or $DOSA_CHECKPOINT), "tiny"
     (random UNTRAINED weights, for tests and development), a name in
     model.pretrained.PRETRAINED, or a path (a dosa checkpoint folder, a .gguf file, a Hugging
     Face folder). overrides: ModelConfig run-time switches; a "hierarchical" dict changes
     only the knobs it names. mesh: a DSA checkpoint streams its parameters onto it as it
-    loads (model.pretrained.load_pretrained)."""
+    loads, after a check that it fits with a cache of `context` tokens
+    (model.pretrained.load_pretrained)."""
     import flax.nnx as nnx
 
     import model as dosa_model
@@ -46,7 +47,7 @@ def load_model(name, overrides=None, *, mesh=None):
         loaded = LoadedModel(net, ByteTokenizer(), pathlib.Path(name).name,
                              f"dosa checkpoint {name}")
     else:
-        pretrained = load_pretrained(name, mesh=mesh)
+        pretrained = load_pretrained(name, mesh=mesh, context=context)
         model_id = pretrained.info.get("name") or pathlib.Path(name).stem
         loaded = LoadedModel(pretrained.model, pretrained.tokenizer, model_id,
                              f"pretrained {pretrained.info.get('path')} "
@@ -74,7 +75,8 @@ def build_engine(cfg, mesh=None, *, loader=None):
 
     t0 = time.perf_counter()
     loaded = (loader() if loader is not None
-              else load_model(cfg.model, cfg.model_overrides(), mesh=mesh))
+              else load_model(cfg.model, cfg.model_overrides(), mesh=mesh,
+                              context=cfg.max_context))
     model_config = loaded.model.config
     max_context = cfg.max_context
     if max_context > model_config.max_seq_len:

@@ -16,6 +16,7 @@ import tempfile
 import zipfile
 
 from model.checkpoint import attach_coarse_screen
+from model.memory import check_fits, device_memory_bytes
 from model.pretrained.gguf_file import GGUFCheckpoint
 from model.pretrained.indexer_weights import (
     has_indexer_weights,
@@ -148,7 +149,7 @@ def default_indexer_dir(name):
 
 
 def load_pretrained(name_or_path, *, dtype=None, indexer_dir="default", seed=0, mesh=None,
-                    **overrides):
+                    context=None, device_memory=None, **overrides):
     """A pretrained model as a dosa Transformer -> Pretrained(model, tokenizer, info): a
     Llama-family checkpoint with a DSA indexer retrofitted by dosa, or a DeepSeek-style DSA
     checkpoint (DeepSeek-V3.2, GLM-5: a Hugging Face folder, its own trained indexers).
@@ -161,14 +162,19 @@ def load_pretrained(name_or_path, *, dtype=None, indexer_dir="default", seed=0, 
     "float32" or "bfloat16"; None: float32 for a Llama checkpoint, a DSA checkpoint's own
     (bfloat16 for FP8 weights, which are dequantized on load). mesh: a DSA checkpoint's
     parameters are streamed onto it with their shardings as they are read (a Llama
-    checkpoint is built on one device; ModelRunner(mesh=) places it).
+    checkpoint is built on one device; ModelRunner(mesh=) places it). A DSA checkpoint is
+    first checked to fit (model.memory.check_fits: weights per device, its cache at
+    `context` tokens (default max_seq_len), a prefill's working set) against device_memory
+    bytes per device (default: what the accelerator reports; the CPU reports none, so no
+    check): ValueError with the figures, before any weight is read.
     """
     named = name_or_path in PRETRAINED
     path = fetch_pretrained(name_or_path) if named else pathlib.Path(name_or_path)
     checkpoint = open_checkpoint(path)
     if getattr(checkpoint, "family", "llama") != "llama":
         return _load_dsa_family(checkpoint, path, dtype=dtype, indexer_dir=indexer_dir,
-                                mesh=mesh, **overrides)
+                                mesh=mesh, context=context, device_memory=device_memory,
+                                **overrides)
     if indexer_dir == "default":
         indexer_dir = default_indexer_dir(name_or_path) if named else None
     if indexer_dir is not None and not has_indexer_weights(indexer_dir):
@@ -203,7 +209,8 @@ def load_pretrained(name_or_path, *, dtype=None, indexer_dir="default", seed=0, 
     return Pretrained(model, checkpoint.tokenizer(), info)
 
 
-def _load_dsa_family(checkpoint, path, *, dtype, indexer_dir, mesh=None, **overrides):
+def _load_dsa_family(checkpoint, path, *, dtype, indexer_dir, mesh=None, context=None,
+                     device_memory=None, **overrides):
     """A DeepSeek-V3.2 / GLM-5 Hugging Face folder: its config, weights (trained indexers
     included) and tokenizer (model.pretrained.mla_moe)."""
     if indexer_dir not in ("default", None):
@@ -215,6 +222,11 @@ def _load_dsa_family(checkpoint, path, *, dtype, indexer_dir, mesh=None, **overr
         dtype = ("bfloat16" if checkpoint.config.get("quantization_config")
                  else stored if stored in ("float32", "bfloat16") else "bfloat16")
     config = dsa_config(checkpoint.config, family, source=path, dtype=dtype, **overrides)
+    device_memory = device_memory if device_memory is not None else device_memory_bytes()
+    if device_memory:
+        shape = dict(mesh.shape) if mesh is not None else {}
+        check_fits(config, shape, min(context or config.max_seq_len, config.max_seq_len),
+                   device_memory, source=path)
     model = build_dsa_transformer(config, checkpoint.read, source=path,
                                   names=checkpoint.names, mesh=mesh)
     info = dict(name=None, path=str(path), format="safetensors", family=family.model_type,

@@ -1,0 +1,63 @@
+"""Refusing what cannot fit, from the config alone (model.memory): per-device weights as the
+sharding rules split them, the cache at a context, a prefill's working set."""
+
+import pathlib
+
+import jax
+import pytest
+from flax import nnx
+
+from model.memory import check_fits, memory_per_device, param_bytes_per_device
+from model.pretrained import load_pretrained
+from model.pretrained.mla_moe import dsa_config
+from model.pretrained.safetensors_dir import DSA_FAMILIES
+
+FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "dsa" / "deepseek_v32"
+
+# DeepSeek-V3.2's released config.json (the values transformers' DeepseekV32Config defaults
+# to), FP8 weights in blocks of 128 x 128.
+V32 = dict(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
+           vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+           moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+           num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+           routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+           v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+           num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=163840,
+           rms_norm_eps=1e-6, first_k_dense_replace=3, index_topk=2048, index_head_dim=128,
+           index_n_heads=64,
+           rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
+                                original_max_position_embeddings=4096, beta_fast=32,
+                                beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+           quantization_config=dict(quant_method="fp8", fmt="e4m3",
+                                    weight_block_size=[128, 128]))
+
+
+def test_parameter_bytes_are_the_models_own():
+    model = load_pretrained(FIXTURE).model
+    real = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    assert param_bytes_per_device(model.config, {}) == (real, real)
+    per, total = param_bytes_per_device(model.config, {"tensor": 2})
+    assert total == real and real / 2 < per < real  # heads and MLPs split, the rest whole
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_before_loading():
+    with pytest.raises(ValueError, match=r"does not fit: it needs .* MB per device on mesh "
+                                         r"\{\} \(weights"):
+        load_pretrained(FIXTURE, device_memory=2e6)
+    assert load_pretrained(FIXTURE, device_memory=1e9).model.config.n_layers == 3
+
+
+@pytest.mark.slow  # traces the 61-layer model's shapes (~4 s)
+def test_deepseek_v32_on_eight_gpus():
+    config = dsa_config(V32, DSA_FAMILIES["deepseek_v32"], source="V3.2", dtype="bfloat16")
+    need = memory_per_device(config, {"tensor": 8}, 131072)
+    # ~690B parameters: 1.38 TB in bf16 (~690 GB in FP8)
+    assert 1.37e12 < need["weights_all"] < 1.39e12
+    with pytest.raises(ValueError, match=r"needs 197\.8 GB per device on mesh \{'tensor': 8\} "
+                                         r"\(weights 185\.5 GB of 1379\.7 GB in bfloat16.*"
+                                         r"each device has 80\.0 GB and the 8 devices "
+                                         r"640\.0 GB in all"):
+        check_fits(config, {"tensor": 8}, 131072, 80e9, source="DeepSeek-V3.2 on 8 x A100")
+    # 8 x H200 (141 GB) do not hold it either while every device keeps every expert's
+    # slice: the replicated embeddings, latents and indexers add 13.5 GB to 1/8 of the rest.
+    assert need["total"] > 141e9 and need["kv_cache"] == 131072 * 61 * 1152
