@@ -30,6 +30,7 @@ def test_group_summaries_of_contiguous_blocks_equal_block_summaries():
     np.testing.assert_array_equal(got.count, want.count)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_similarity_groups_prune_where_position_blocks_cannot():
     q, w, k = _clustered(1)
     rows = study_layer(q, w, k, 16, [16], q_offset=512 - 32, block_size=16)

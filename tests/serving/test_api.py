@@ -9,6 +9,10 @@ import pytest
 
 from tests.serving.conftest import AUTH
 
+# One worker runs every test of the shared server (tests/serving/conftest.py), so it
+# starts once (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("serving-server")
+
 MODEL = "dosa-tiny-untrained"
 
 

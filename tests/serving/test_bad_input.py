@@ -10,6 +10,10 @@ import pytest
 
 from tests.serving.conftest import AUTH
 
+# One worker runs every test of the shared server (tests/serving/conftest.py), so it
+# starts once (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("serving-server")
+
 JSON = {**AUTH, "Content-Type": "application/json"}
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 

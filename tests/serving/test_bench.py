@@ -3,8 +3,14 @@
 import json
 import math
 
+import pytest
+
 from serving import bench
 from tests.serving.conftest import API_KEY
+
+# One worker runs every test of the shared server (tests/serving/conftest.py), so it
+# starts once (pyproject: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("serving-server")
 
 
 def test_bench_measures_ttft_and_cache_hits_of_a_repeated_context(server, tmp_path):
