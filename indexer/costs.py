@@ -210,3 +210,9 @@ def hierarchical_ops(s, T, p0, kv_len, skip):
 def window_ops(s, T, p0, kv_len, skip):
     """The sliding window scores nothing: its indices are positions."""
     return []
+
+
+def oracle_ops(s, T, p0, kv_len, skip):
+    """The oracle ranks the layer's dense attention: top-k over each row here; the dense
+    attention it reads is the model's (model.costs counts it with attention="dense")."""
+    return [_topk("oracle top_k", T, kv_len, s.top_k)]

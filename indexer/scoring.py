@@ -71,3 +71,13 @@ def window_select(q, w, k, top_k, *, q_offset, config=None, summaries=None, scre
     positions = q_offset + jnp.arange(q.shape[0])
     window = positions[:, None] - jnp.arange(top_k)[None, :]
     return jnp.where(window >= 0, window, -1).astype(jnp.int32)
+
+
+def oracle_select(target, top_k, *, q_offset):
+    """The "oracle" selection kind: each query's top_k keys by target f32[T, kv_len] (the
+    layer's dense attention averaged over heads) among the keys it sees; -1 where fewer
+    than top_k are visible. Ties (attention that underflowed to 0) go to the lower index."""
+    _check_topk(top_k)
+    T, L = target.shape
+    visible = jnp.arange(L)[None, :] <= (q_offset + jnp.arange(T))[:, None]
+    return topk_indices(jnp.where(visible, target.astype(jnp.float32), -jnp.inf), top_k)

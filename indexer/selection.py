@@ -21,6 +21,15 @@ the layer's HierarchicalConfig (kinds that have no knobs ignore it); summaries: 
 BlockSummaryCache of k (at least ceil(L / block_size) blocks); screen: the layer's trained
 coarse screen (indexer.ScreenParams) or None. Output: best first, -1 where fewer than top_k
 tokens are chosen.
+
+A kind whose `scores` is "attention" ranks by the layer's own dense attention instead of the
+indexer (the oracle: what the best possible indexer would keep under DSA's rule of one set
+shared by all heads). Its select function is
+
+    select(target, top_k, *, q_offset) -> i32[T, top_k]
+
+target f32[T, kv_len]: the layer's dense attention probabilities averaged over heads (the
+indexer's KL target), computed in the same pass; it measures, it is never served.
 """
 
 import dataclasses
@@ -28,7 +37,7 @@ import importlib
 from collections.abc import Callable
 
 from indexer.config import HierarchicalConfig
-from indexer.costs import flat_ops, hierarchical_ops, window_ops
+from indexer.costs import flat_ops, hierarchical_ops, oracle_ops, window_ops
 
 
 def _single_query_tile(config, T):
@@ -51,6 +60,8 @@ class SelectionKind:
     config: the config class whose knobs it reads (None: it has none).
     served: whether `python -m serving` offers it (baselines that only measure are not).
     query_tile: (config, T) -> queries that must stay together on one shard.
+    scores: "indexer" (the lightning indexer's inputs) or "attention" (the layer's dense
+      attention, head-averaged: the oracle; see the module docstring).
     """
 
     name: str
@@ -60,6 +71,12 @@ class SelectionKind:
     config: type | None = None
     served: bool = True
     query_tile: Callable = _single_query_tile
+    scores: str = "indexer"
+
+    def __post_init__(self):
+        if self.scores not in ("indexer", "attention"):
+            raise ValueError(f"SelectionKind.scores must be 'indexer' or 'attention', got "
+                             f"{self.scores!r}")
 
     @property
     def function(self):
@@ -80,6 +97,10 @@ SELECTIONS = {kind.name: kind for kind in (
     SelectionKind("window", "indexer.scoring:window_select",
                   "the query and the top_k - 1 tokens before it, no scoring (the baseline "
                   "that measures what selection costs)", window_ops, served=False),
+    SelectionKind("oracle", "indexer.scoring:oracle_select",
+                  "top_k of the layer's own dense attention averaged over heads, one set for "
+                  "all heads (the limit any indexer can reach under DSA's rule)", oracle_ops,
+                  served=False, scores="attention"),
 )}
 
 

@@ -13,6 +13,7 @@ from flax import nnx
 
 import pallas_kernels
 from indexer.module import CoarseScreen, LightningIndexer
+from indexer.selection import selection_kind
 from model.attention import Attention, dense_causal_attention, select_tokens
 from model.cache import init_cache, token_rows, write_index, write_rows
 from model.layers import RMSNorm, SwiGLU
@@ -108,6 +109,12 @@ class DecoderBlock(nnx.Module):
         config = self.config
         T = x.shape[0]
         positions = start + jnp.arange(T)
+        # A kind that ranks the attention itself (the oracle) selects once the layer has
+        # read its keys, not from the indexer.
+        oracle = selection_kind(config.layer_indexer(self.layer)).scores == "attention"
+        if oracle and parallel is not None:
+            raise ValueError(f"ModelConfig.indexer {config.layer_indexer(self.layer)!r} ranks "
+                             "dense attention and runs on one device only (no sequence axis)")
         h = self.attn_norm(x)
         q, rows, index_query = self.attn.project(h, positions)
         names = tuple(rows)
@@ -130,7 +137,7 @@ class DecoderBlock(nnx.Module):
             cache = write_index(cache, inputs.k, start,
                                 block_size=config.hierarchical.block_size, n_valid=n_valid)
             indices = None
-            if config.layer_needs_selection(self.layer):
+            if config.layer_needs_selection(self.layer) and not oracle:
                 select = select_tokens if parallel is None else parallel.select
                 indices = select(config, self.layer, inputs.q, inputs.w,
                                  cache.k_index[:kv_len], q_offset=start,
@@ -142,6 +149,12 @@ class DecoderBlock(nnx.Module):
         if config.layer_is_sparse(self.layer):
             if parallel is None:
                 keys, values = self.attn.read(token_rows(cache, names, kv_len))
+                if oracle and self.indexer is not None:
+                    # The oracle ranks this layer's own dense attention (its output unused).
+                    _, target = dense_causal_attention(q, keys, values, q_offset=start,
+                                                       scale=scale, return_head_sum=True)
+                    indices = selection_kind(config.layer_indexer(self.layer)).function(
+                        target, config.top_k, q_offset=start)
                 out = pallas_kernels.sparse_attention(q, keys, values, indices, scale=scale)
             else:
                 out = parallel.sparse_attention(q, token_rows(cache, names, None),

@@ -57,6 +57,33 @@ def sparse_attention_reference(q, k, v, indices, *, scale=None):
     return out.reshape(T, H, v.shape[-1]).astype(q.dtype)
 
 
+def sparse_attention_masked(q, k, v, indices, *, scale=None):
+    """sparse_attention_reference computed as dense attention weighted by how often each
+    token is selected (0: masked; a repeated index counts as often as the gather reads it):
+    the same softmax over the same entries. On CPU, when the selection is a large share of
+    the keys, reading the keys in order beats gathering [T, K] rows of them (the xla
+    backend's choice, pallas_kernels.api.sparse_attention)."""
+    T, H, D = q.shape
+    L, H_kv = k.shape[:2]
+    if H % H_kv:
+        raise ValueError(f"number of query heads H={H} must be a multiple of H_kv={H_kv}")
+    scale = D**-0.5 if scale is None else scale
+    valid = indices >= 0
+    rows = jnp.broadcast_to(jnp.arange(T)[:, None], indices.shape)
+    count = jnp.zeros((T, L), jnp.float32).at[rows, jnp.where(valid, indices, 0)].add(
+        valid.astype(jnp.float32))
+    qg = q.reshape(T, H_kv, H // H_kv, D)
+    logits = jnp.einsum("tgrd,lgd->tgrl", qg, k, preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(count[:, None, None, :] > 0, logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(logits - m) * count[:, None, None, :]
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("tgrl,lgd->tgrd", p, v.astype(jnp.float32))
+    out = out / jnp.where(denom > 0, denom, 1.0)
+    return out.reshape(T, H, v.shape[-1]).astype(q.dtype)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class SparseAttentionConfig:
     """Chunk sizes and Triton launch parameters of the sparse-attention kernel.

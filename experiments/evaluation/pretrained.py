@@ -44,8 +44,16 @@ from experiments.common import (
     parse_layers,
     write_json,
 )
+from experiments.evaluation.baselines import (
+    BASELINE_METHODS,
+    DEFAULT_DIR,
+    baseline_key,
+    load_baseline,
+    save_baseline,
+)
 from experiments.evaluation.evaluate import target_nll
 from experiments.evaluation.metrics import pair_metrics, selection_metrics, selections_on_captured
+from experiments.evaluation.needles import QUESTIONS, needle_contexts, score_context, summarize
 from experiments.evaluation.retrieval import (
     KINDS,
     build_probe_sequence,
@@ -56,14 +64,16 @@ from experiments.evaluation.retrieval import (
 from experiments.text_corpus import heldout_text_tokens
 from model import ModelRunner, with_config
 
-METHODS = ("dense", "sparse_flat", "sparse_hier")
+METHODS = ("dense", "oracle", "sparse_flat", "sparse_hier")
+# The selection kind each sparse method runs (indexer.selection); "oracle" ranks the layer's
+# own dense attention: the limit any indexer can reach.
+METHOD_INDEXER = {"oracle": "oracle", "sparse_flat": "flat", "sparse_hier": "hierarchical"}
 
 
 def method_config(config, method):
     if method == "dense":
         return config.replace(attention="dense")
-    return config.replace(attention="sparse",
-                          indexer="flat" if method == "sparse_flat" else "hierarchical")
+    return config.replace(attention="sparse", indexer=METHOD_INDEXER[method])
 
 
 def nll_of(logits, tokens):
@@ -115,78 +125,128 @@ def logged_selection_stats(model, tokens, queries, log):
 
 def evaluate_length(model, tokenizer, text_tokens, L, *, queries, probe_sequences,
                     per_sequence, seed, log, selection_only=False, probe="copy",
-                    retrieval_only=False, methods=METHODS, selection=True):
+                    retrieval_only=False, methods=METHODS, selection=True, baselines=None,
+                    ppl_windows=1):
     tokens = np.asarray(text_tokens[-L:], np.int32)
     cfg = model.config
     out = dict(length=L, methods={})
     if retrieval_only:
         out["retrieval"] = retrieval(model, tokenizer, text_tokens, L, probe, probe_sequences,
-                                     per_sequence, seed, log, methods)
+                                     per_sequence, seed, log, methods, baselines)
         return out
     if selection_only:
         out["selection"] = logged_selection_stats(model, tokens, min(queries, L), log)
         return out
-    lps = {}
+    windows = [np.asarray(text_tokens[len(text_tokens) - (i + 1) * L:
+                                      len(text_tokens) - i * L], np.int32)
+               for i in range(ppl_windows)]
+    if len(windows[-1]) < L:
+        raise ValueError(f"--ppl-windows {ppl_windows} x {L} tokens exceed the held-out text "
+                         f"({len(text_tokens)} tokens)")
+    runners = {m: ModelRunner(with_config(model, method_config(cfg, m))) for m in methods}
+    nlls, walls, window_pairs = {m: [] for m in methods}, dict.fromkeys(methods, 0.0), []
+    pairs = [(a, b) for a, b in (("oracle", "dense"), ("sparse_flat", "dense"),
+                                 ("sparse_hier", "dense"), ("sparse_hier", "sparse_flat"))
+             if a in methods and b in methods]
+    for window in windows:
+        lps = {}
+        for method in methods:
+            t = time.monotonic()
+            logits, _ = runners[method].prefill(window, logits_from=0)
+            nll, lps[method] = nll_of(logits, window)
+            nlls[method].append(nll)
+            walls[method] += time.monotonic() - t
+        # KL(P_reference || P_method): the reference is the second of each pair
+        window_pairs.append({f"{a}|{b}": pair_metrics(np.asarray(lps[b]), np.asarray(lps[a]))
+                             for a, b in pairs})
+        del lps
     for method in methods:
-        m = with_config(model, method_config(cfg, method))
-        t = time.monotonic()
-        logits, _ = ModelRunner(m).prefill(tokens, logits_from=0)
-        nll, lps[method] = nll_of(logits, tokens)
-        tail = nll[cfg.top_k:] if L > cfg.top_k + 1 else nll
+        nll = np.stack(nlls[method])  # [windows, L - 1]
+        tail = nll[:, cfg.top_k:] if L > cfg.top_k + 1 else nll
         out["methods"][method] = dict(
             perplexity=round(float(np.exp(nll.mean())), 5),
+            perplexity_by_window=[round(float(np.exp(w.mean())), 5) for w in nll],
             perplexity_after_top_k=round(float(np.exp(tail.mean())), 5),
             # where in the context the loss is: positions [0, L/4), [L/4, L/2), ...
             perplexity_by_quarter=[round(float(np.exp(q.mean())), 5)
-                                   for q in np.array_split(nll, 4)],
-            wall_s=round(time.monotonic() - t, 1))
-        log(f"L={L} {method}: ppl {out['methods'][method]['perplexity']:.4f} "
-            f"({out['methods'][method]['wall_s']} s)")
+                                   for q in np.array_split(nll, 4, axis=1)],
+            windows=len(windows), wall_s=round(walls[method], 1))
+        log(f"L={L} {method}: ppl {out['methods'][method]['perplexity']:.4f} over "
+            f"{len(windows)} windows ({out['methods'][method]['wall_s']} s)")
     d = out["methods"]["dense"]["perplexity"]
     for method in methods[1:]:
         out["methods"][method]["ppl_vs_dense"] = round(out["methods"][method]["perplexity"] / d
                                                        - 1, 6)
-    pairs = (("sparse_flat", "dense"), ("sparse_hier", "dense"), ("sparse_hier", "sparse_flat"))
-    # KL(P_reference || P_method): the reference is the second of each pair
-    out["pairs"] = {f"{a}|{b}": pair_metrics(np.asarray(lps[b]), np.asarray(lps[a]))
-                    for a, b in pairs if a in lps and b in lps}
-    del lps
+    # windows of equal length: the means over positions are means of the windows' means
+    out["pairs"] = {k: dict(agreement=round(float(np.mean([w[k]["agreement"]
+                                                           for w in window_pairs])), 6),
+                            kl_mean=float(np.mean([w[k]["kl_mean"] for w in window_pairs])),
+                            kl_max=float(np.max([w[k]["kl_max"] for w in window_pairs])))
+                    for k in window_pairs[0]}
     log(f"L={L} pairs: " + ", ".join(f"{k} top1 {v['agreement']:.4f}"
                                      for k, v in out["pairs"].items()))
     if selection:
         out["selection"] = logged_selection_stats(model, tokens, min(queries, L), log)
     if probe_sequences:
         out["retrieval"] = retrieval(model, tokenizer, text_tokens, L, probe, probe_sequences,
-                                     per_sequence, seed, log, methods)
+                                     per_sequence, seed, log, methods, baselines)
     return out
 
 
 def retrieval(model, tokenizer, text_tokens, L, kind, n_seq, per_sequence, seed, log,
-              methods=METHODS):
+              methods=METHODS, baselines=None):
     """Retrieval probes (experiments.evaluation.retrieval) of one kind at length L, each
     method scoring the same sequences -> {kind, sequences, per_sequence, depths, method:
-    exact accuracy (Wilson interval), token accuracy and, for sparse methods, its paired
-    difference to dense (intervals over sequences), per-probe scores}."""
+    exact accuracy (Wilson interval), token accuracy and, for other methods, its paired
+    difference to dense (intervals over sequences), per-probe scores, wall_s, source}.
+
+    baselines: None, or (directory, key, write): dense and oracle scores are read from the
+    directory's baseline file when it matches `key` (experiments.evaluation.baselines), and
+    written there after computing them when `write`."""
     filler = np.asarray(text_tokens[:-L] if len(text_tokens) > 2 * L else text_tokens)
-    seqs = [build_probe_sequence(kind, tokenizer, filler, L, per_sequence=per_sequence,
-                                 seed=seed * 1000 + L + i) for i in range(n_seq)]
+    if kind == "needle":  # n_seq contexts, each asked len(QUESTIONS) questions
+        seqs, per_sequence = needle_contexts(tokenizer, filler, L, n_seq, seed), len(QUESTIONS)
+    else:
+        seqs = [build_probe_sequence(kind, tokenizer, filler, L, per_sequence=per_sequence,
+                                     seed=seed * 1000 + L + i) for i in range(n_seq)]
     result = dict(kind=kind, sequences=n_seq, per_sequence=per_sequence)
     per_seq = {}  # method -> [mean token accuracy of each sequence]
     for method in methods:
-        runner = ModelRunner(with_config(model, method_config(model.config, method)))
-        scores, per_seq[method] = [], []
-        for seq in seqs:
-            logits, _ = runner.prefill(seq.tokens, logits_from=seq.query_start)
-            got = score_probes(logits, seq)
-            scores += got
-            per_seq[method].append(float(np.mean(got)))
-        k, n = sum(x == 1.0 for x in scores), len(scores)
+        t = time.monotonic()
+        scores = None
+        if baselines is not None and method in BASELINE_METHODS:
+            scores = load_baseline(baselines[0], baselines[1], method, n_seq, log)
+        source = "computed" if scores is None else "baseline"
+        if scores is None:
+            runner = ModelRunner(with_config(model, method_config(model.config, method)))
+            scores = []
+            for seq in seqs:
+                if kind == "needle":
+                    scores += score_context(runner, seq, L)
+                    continue
+                logits, _ = runner.prefill(seq.tokens, logits_from=seq.query_start)
+                scores += score_probes(logits, seq)
+        wall = round(time.monotonic() - t, 1)
+        if source == "computed" and baselines is not None and baselines[2] \
+                and method in BASELINE_METHODS:
+            save_baseline(baselines[0], baselines[1], method, scores, n_seq,
+                          command=baselines[3], wall_s=wall)
+        # per probe: the share of answer tokens right (teacher forced), and whether the
+        # probe was answered exactly (copy / passkey: all tokens right; needle: generated)
+        tokens_right = [x[0] for x in scores] if kind == "needle" else scores
+        exact = [x[1] == 1.0 for x in scores] if kind == "needle" else \
+            [x == 1.0 for x in scores]
+        per_seq[method] = [float(np.mean(tokens_right[i * per_sequence:(i + 1) * per_sequence]))
+                           for i in range(n_seq)]
+        k, n = sum(exact), len(scores)
         lo, hi = wilson_interval(k, n)
         tok, (tlo, thi) = mean_interval(per_seq[method])
         entry = dict(correct=k, probes=n, accuracy=round(k / n, 4),
                      ci95=[round(lo, 4), round(hi, 4)], token_accuracy=round(tok, 4),
                      token_ci95=[round(tlo, 4), round(thi, 4)],
-                     scores=[round(x, 4) for x in scores])
+                     scores=np.round(scores, 4).tolist(), wall_s=wall, source=source)
+        if kind == "needle":
+            entry["by_depth"] = summarize(scores, seqs, per_sequence)["by_depth"]
         line = (f"L={L} {kind} probes {method}: exact {k}/{n} ({k / n:.1%} [{lo:.1%}, "
                 f"{hi:.1%}]), tokens {tok:.1%} [{tlo:.1%}, {thi:.1%}]")
         if method != "dense" and "dense" in per_seq:
@@ -195,8 +255,9 @@ def retrieval(model, tokenizer, text_tokens, L, kind, n_seq, per_sequence, seed,
             entry["token_vs_dense_ci95"] = [round(dlo, 4), round(dhi, 4)]
             line += f", vs dense {diff:+.1%} [{dlo:+.1%}, {dhi:+.1%}]"
         result[method] = entry
-        log(line)
-    result["depths"] = [round(d, 3) for s in seqs for d in s.depths]
+        log(line + f" ({source}, {wall} s)")
+    result["depths"] = [round(d, 3) for s in seqs for d in
+                        ([s.depth] if kind == "needle" else s.depths)]
     return result
 
 
@@ -230,7 +291,7 @@ def _table_row(r):
         return f"{pk[method]['correct']}/{pk[method]['probes']}" if method in pk else "-"
 
     return " | ".join([
-        f"| {r['length']}", ppl("dense"), ppl("sparse_flat"), ppl("sparse_hier"),
+        f"| {r['length']}", ppl("dense"), ppl("oracle"), ppl("sparse_flat"), ppl("sparse_hier"),
         agree("sparse_flat|dense"), agree("sparse_hier|dense"), agree("sparse_hier|sparse_flat"),
         sel("recall_sparse_layers"), sel("iou_sparse_layers"), sel("mass_flat_sparse_layers"),
         sel("mass_hier_sparse_layers"), probes("dense"), probes("sparse_flat"),
@@ -247,9 +308,9 @@ def to_markdown(report):
     probed = [r for r in report["lengths"] if "retrieval" in r]
     passes = [r for r in report["lengths"] if r["methods"]]
     if passes:
-        lines += ["", "| L | ppl dense | flat | hier | top-1 flat/dense | hier/dense | hier/flat | "
-                  "recall | IoU | mass flat | mass hier | probes dense | flat | hier |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["", "| L | ppl dense | oracle | flat | hier | top-1 flat/dense | hier/dense | "
+                  "hier/flat | recall | IoU | mass flat | mass hier | probes dense | flat | hier |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [_table_row(r) for r in passes]
     if selection_only:
         lines += ["", "Selection only (the dense pass's own indexer inputs, last queries):", "",
@@ -264,11 +325,25 @@ def to_markdown(report):
         lines += ["", "Retrieval probes: tokens right (95% interval over sequences; sparse: "
                   "difference to dense on the same sequences), probes right exactly "
                   "(Wilson 95% interval):", "",
-                  "| L | probe | dense | sparse flat | sparse hier |", "|---|---|---|---|---|"]
+                  "| L | probe | dense | oracle | sparse flat | sparse hier |",
+                  "|---|---|---|---|---|---|"]
         for r in probed:
             pk = r["retrieval"]
             cells = [_probe_cell(pk[m]) if m in pk else "-" for m in METHODS]
             lines.append(f"| {r['length']} | {pk['kind']} | " + " | ".join(cells) + " |")
+    for r in probed:
+        pk = r["retrieval"]
+        if pk["kind"] != "needle":
+            continue
+        shown = [m for m in METHODS if m in pk]
+        lines += ["", f"Needles at L={r['length']} by depth (share of the filler before the "
+                  "needle): teacher-forced tokens right / generated exactly", "",
+                  "| depth | contexts | " + " | ".join(shown) + " |",
+                  "|---|---|" + "---|" * len(shown)]
+        for depth, row in pk[shown[0]]["by_depth"].items():
+            cells = [f"{pk[m]['by_depth'][depth]['teacher_forced']:.1%} / "
+                     f"{pk[m]['by_depth'][depth]['generated_exact']:.1%}" for m in shown]
+            lines.append(f"| {depth} | {row['contexts']} | " + " | ".join(cells) + " |")
     lines += ["", f"Command: `{report['command']}`", ""]
     return "\n".join(lines)
 
@@ -290,8 +365,10 @@ def main(argv=None):
                    help="position interpolation of the indexer only (default: rope-scaling)")
     p.add_argument("--queries", type=int, default=1024,
                    help="last positions whose selections are compared")
-    p.add_argument("--probe", choices=KINDS, default="copy",
-                   help="retrieval probe kind (experiments.evaluation.retrieval)")
+    p.add_argument("--probe", choices=KINDS + ("needle",), default="copy",
+                   help="retrieval probe kind (experiments.evaluation.retrieval; needle: "
+                        "experiments.evaluation.needles, --probe-sequences contexts over "
+                        "its 5 depths)")
     p.add_argument("--probe-sequences", type=int, default=4)
     p.add_argument("--per-sequence", type=int, default=4,
                    help="probes per sequence (more random-word lists in one context "
@@ -306,6 +383,16 @@ def main(argv=None):
     p.add_argument("--selection-only", action="store_true",
                    help="only the selection statistics (long contexts: no perplexity passes)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ppl-windows", type=int, default=4,
+                   help="consecutive L-token windows from the end of the held-out text whose "
+                        "perplexity is measured (the last one also gives the selection "
+                        "statistics)")
+    p.add_argument("--baselines", default=str(DEFAULT_DIR), metavar="DIR",
+                   help="dense / oracle probe scores computed once (experiments.evaluation."
+                        "baselines), reused when their seeds, model file and config match; "
+                        "'none' to compute them")
+    p.add_argument("--write-baselines", action="store_true",
+                   help="write the dense / oracle probe scores this run computes to --baselines")
     add_out_argument(p, "eval_pretrained")
     args = p.parse_args(argv)
     methods = tuple(x.strip() for x in args.methods.split(",") if x.strip())
@@ -335,21 +422,28 @@ def main(argv=None):
     log = lambda msg: print(f"[{time.monotonic() - t0:6.0f}s] {msg}", flush=True)  # noqa
     out = pathlib.Path(args.out)
     results = []
+    command = "python -m experiments.evaluation.pretrained " + shlex.join(
+        argv if argv is not None else sys.argv[1:])
     for L in lengths:
+        baselines = None if args.baselines == "none" else (
+            args.baselines, baseline_key(kind=args.probe, length=L,
+                                         per_sequence=args.per_sequence, seed=args.seed,
+                                         model_path=pre.info["path"], config=model.config),
+            args.write_baselines, command)
         results.append(evaluate_length(model, pre.tokenizer, text, L, queries=args.queries,
                                        probe_sequences=args.probe_sequences,
                                        per_sequence=args.per_sequence, seed=args.seed, log=log,
                                        selection_only=args.selection_only, probe=args.probe,
                                        retrieval_only=args.retrieval_only, methods=methods,
-                                       selection=not args.no_selection))
-        report = dict(model=args.model, info=pre.info, config=model.config.to_dict(),
+                                       selection=not args.no_selection,
+                                       baselines=baselines, ppl_windows=args.ppl_windows))
+        report = dict(model=args.model, info=dict(pre.info), config=model.config.to_dict(),
                       hierarchical_budget=model.config.hierarchical.candidate_tokens
                       or f"keep ratio {model.config.hierarchical.coarse_keep_ratio}",
                       text="last L tokens of pydoc_data.topics (held out from the warm-up)",
                       hardware=f"{platform.machine()}, {jax.devices()[0].device_kind}",
-                      command="python -m experiments.evaluation.pretrained " + shlex.join(
-                          argv if argv is not None else sys.argv[1:]),
-                      lengths=results, wall_s=round(time.monotonic() - t0, 1))
+                      command=command, seed=args.seed, lengths=results,
+                      wall_s=round(time.monotonic() - t0, 1))
         report["info"]["path"] = pathlib.Path(report["info"]["path"]).name
         if report["info"]["indexer"] != "fresh":
             report["info"]["indexer"] = display_path(report["info"]["indexer"])

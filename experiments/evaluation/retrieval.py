@@ -1,5 +1,5 @@
 """Retrieval probes for pretrained (BPE) models: can each method find what was said once,
-far back in the context? Two kinds, one scoring rule.
+far back in the context? Three kinds, one scoring rule.
 
 copy (the default): `per_sequence` strings of random words (STRING_TOKENS one-token
 lowercase words drawn from the filler text's own vocabulary, or any of its tokens when the
@@ -9,6 +9,11 @@ another order. The first CUE_TOKENS of a string are its cue; a probe is correct 
 teacher forced, the model's greedy choice at each of the remaining positions is the string's
 next token. Only the string itself says what comes next (induction), so a method that drops
 its tokens cannot get it right by chance.
+
+copy_rare: the same, with words that never occur in the filler text (one-token words of the
+tokenizer's whole vocabulary). A rare token is easy to find wherever it is; a word the text
+uses everywhere can only be found through the list around it (what an induction head
+matches on). The two kinds tell an indexer that finds content from one that keeps context.
 
 passkey: a sequence of L tokens is held-out text with `per_sequence` sentences "The pass key of
 NAME is DDDDD." spliced in at depths spread over the context; it ends with the same
@@ -22,12 +27,13 @@ of a method's difference to dense on the same sequences, are over sequences).
 """
 
 import dataclasses
+import functools
 import math
 import re
 
 import numpy as np
 
-KINDS = ("copy", "passkey")
+KINDS = ("copy", "copy_rare", "passkey")
 STRING_TOKENS, CUE_TOKENS = 16, 4
 
 NAMES = ("Alice", "Bruno", "Chloe", "Dmitri", "Elena", "Farid", "Grace", "Hiro", "Ingrid",
@@ -58,8 +64,11 @@ def build_probe_sequence(kind, tokenizer, filler, length, *, per_sequence, seed)
     """kind: one of KINDS -> ProbeSequence."""
     if kind not in KINDS:
         raise ValueError(f"probe kind must be one of {KINDS}, got {kind!r}")
-    build = build_copy_sequence if kind == "copy" else build_passkey_sequence
-    return build(tokenizer, filler, length, per_sequence=per_sequence, seed=seed)
+    if kind == "passkey":
+        return build_passkey_sequence(tokenizer, filler, length, per_sequence=per_sequence,
+                                      seed=seed)
+    return build_copy_sequence(tokenizer, filler, length, per_sequence=per_sequence,
+                               seed=seed, rare=kind == "copy_rare")
 
 
 def _splice(filler, inserts, n_filler, rng):
@@ -98,21 +107,38 @@ def _layout(filler, inserts, length, rng, what):
     return tokens, first, len(body), [st / length for st in starts]
 
 
-def word_tokens(tokenizer, filler):
-    """The distinct tokens of `filler` that are one lowercase word after a space (" river"):
+def word_tokens(tokenizer, ids):
+    """The distinct tokens of `ids` that are one lowercase word after a space (" river"):
     random lists of them read as words, which a model copies by induction, where random
     sub-word pieces mostly defeat a small model even dense."""
-    ids = np.unique(np.asarray(filler))
+    ids = np.unique(np.asarray(ids))
     return np.asarray([t for t in ids if re.fullmatch(r" [a-z]{3,}", tokenizer.decode([int(t)]))],
                       np.int32)
 
 
-def build_copy_sequence(tokenizer, filler, length, *, per_sequence, seed):
+@functools.lru_cache(maxsize=4)
+def _vocabulary_words(tokenizer):
+    return word_tokens(tokenizer, np.arange(tokenizer.vocab_size))
+
+
+def rare_word_tokens(tokenizer, filler):
+    """One-token words of the tokenizer's vocabulary that never occur in `filler` (any
+    non-special token that does not, for a vocabulary without whole-word tokens)."""
+    words = _vocabulary_words(tokenizer)
+    if len(words) < STRING_TOKENS:
+        special = {tokenizer.bos_id, *tokenizer.stop_ids, *tokenizer.encode("\n", bos=False)}
+        words = np.asarray([t for t in range(tokenizer.vocab_size) if t not in special
+                            and tokenizer.decode([t])], np.int32)
+    return np.setdiff1d(words, np.asarray(filler)).astype(np.int32)
+
+
+def build_copy_sequence(tokenizer, filler, length, *, per_sequence, seed, rare=False):
     """filler: int tokens of held-out text (at least `length`). -> ProbeSequence whose probes
-    are random-token strings asked again at the end (see the module docstring)."""
+    are random-token strings asked again at the end (see the module docstring); rare: words
+    that never occur in the filler (copy_rare)."""
     rng = np.random.default_rng(seed)
     newline = list(tokenizer.encode("\n", bos=False))
-    vocab = word_tokens(tokenizer, filler)
+    vocab = (rare_word_tokens if rare else word_tokens)(tokenizer, filler)
     if len(vocab) < STRING_TOKENS:  # a vocabulary without whole-word tokens (bytes)
         vocab = np.setdiff1d(np.unique(np.asarray(filler)), newline)
     if len(vocab) < STRING_TOKENS:

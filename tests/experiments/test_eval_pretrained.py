@@ -78,12 +78,14 @@ def test_sparse_with_full_budget_is_dense(tiny, tmp_path):
     ev.main(["--model", str(tiny), "--indexer-dir", "none", "--lengths", str(L),
              "--top-k", str(L), "--hierarchical", "candidate_tokens=256,block_size=16",
              "--queries", "64", "--probe-sequences", "1", "--per-sequence", "3",
+             "--methods", "dense,oracle,sparse_flat,sparse_hier", "--ppl-windows", "2",
              "--out", str(tmp_path)])
     report = json.loads((tmp_path / "eval.json").read_text())
     r = report["lengths"][0]
     dense = r["methods"]["dense"]["perplexity"]
-    for method in ("sparse_flat", "sparse_hier"):
+    for method in ("oracle", "sparse_flat", "sparse_hier"):
         assert r["methods"][method]["perplexity"] == pytest.approx(dense, rel=1e-4)
+        assert len(r["methods"][method]["perplexity_by_window"]) == 2
     assert r["pairs"]["sparse_hier|sparse_flat"]["agreement"] == 1.0
     s = r["selection"]
     assert s["recall_sparse_layers"] == pytest.approx(1.0)
@@ -96,7 +98,8 @@ def test_sparse_with_full_budget_is_dense(tiny, tmp_path):
 def test_small_budget_loses_attention_mass(tiny, tmp_path):
     ev.main(["--model", str(tiny), "--indexer-dir", "none", "--lengths", "256",
              "--top-k", "16", "--hierarchical", "candidate_tokens=32,block_size=16",
-             "--queries", "64", "--probe-sequences", "0", "--out", str(tmp_path)])
+             "--queries", "64", "--probe-sequences", "0", "--ppl-windows", "1",
+             "--out", str(tmp_path)])
     s = json.loads((tmp_path / "eval.json").read_text())["lengths"][0]["selection"]
     assert 0.0 < s["mass_flat_sparse_layers"] < 1.0
     assert 0.0 < s["recall_sparse_layers"] <= 1.0
@@ -130,3 +133,104 @@ def test_retrieval_only_with_chosen_passes(tiny, tmp_path):
     assert "Retrieval probes" in (tmp_path / "eval.md").read_text()
     with pytest.raises(SystemExit):
         ev.main(["--model", str(tiny), "--methods", "sparse_flat", "--out", str(tmp_path)])
+
+
+def test_copy_rare_strings_never_occur_in_the_filler(tiny):
+    tok = load_pretrained(tiny, attention="dense").tokenizer
+    filler = np.asarray(tok.encode("the quick brown fox jumps over a lazy dog; " * 40, bos=False))
+    seq = build_probe_sequence("copy_rare", tok, filler, 700, per_sequence=4, seed=5)
+    assert len(seq.tokens) == 700
+    for answer in seq.answer_tokens:
+        assert not set(answer) & set(filler.tolist())
+    vocab_seq = build_probe_sequence("copy", tok, filler, 700, per_sequence=4, seed=5)
+    assert all(set(a) <= set(filler.tolist()) for a in vocab_seq.answer_tokens)
+
+
+def test_baselines_are_computed_once_and_reused_only_when_they_match(tiny, tmp_path):
+    """The dense and oracle rows written by one run are read by the next (same scores, no
+    pass), and not when the seed or the oracle's top_k differs."""
+    pre = load_pretrained(tiny, indexer_dir=None, top_k=32)
+    text = np.asarray(pre.tokenizer.encode("some words of held-out text, and more. " * 60,
+                                           bos=False))
+    logs = []
+    args = (pre.model, pre.tokenizer, text, 256, "copy", 2, 2)
+
+    def key(seed=0, model=pre.model):
+        return ev.baseline_key(kind="copy", length=256, per_sequence=2, seed=seed,
+                               model_path=pre.info["path"], config=model.config)
+
+    first = ev.retrieval(*args, 0, logs.append, ("dense", "oracle", "sparse_flat"),
+                         (tmp_path, key(), True, "test"))
+    assert first["dense"]["source"] == first["oracle"]["source"] == "computed"
+    again = ev.retrieval(*args, 0, logs.append, ("dense", "oracle", "sparse_flat"),
+                         (tmp_path, key(), False, "test"))
+    assert again["dense"]["source"] == again["oracle"]["source"] == "baseline"
+    assert again["sparse_flat"]["source"] == "computed"
+    for method in ("dense", "oracle", "sparse_flat"):
+        assert again[method]["scores"] == first[method]["scores"]
+    assert again["oracle"]["token_vs_dense"] == first["oracle"]["token_vs_dense"]
+    saved = json.loads((tmp_path / "copy_256.json").read_text())
+    assert saved["key"]["model_sha256"] and saved["methods"]["dense"]["sequences"] == 2
+    other = ev.retrieval(*args, 1, logs.append, ("dense",), (tmp_path, key(seed=1), False, ""))
+    assert other["dense"]["source"] == "computed" and any("seed 0 != 1" in x for x in logs)
+    small = ev.with_config(pre.model, pre.model.config.replace(top_k=16))
+    got = ev.retrieval(small, *args[1:], 0, logs.append, ("dense", "oracle"),
+                       (tmp_path, key(model=small), False, ""))
+    assert got["oracle"]["source"] == "computed" and any("top_k 32 != 16" in x for x in logs)
+
+
+def test_needle_context_and_its_questions_from_one_cached_prefix(tiny):
+    """The needle sits at its depth, once; each question's teacher-forced score from a copy
+    of the context's cache equals the score of one prefill of context + question + answer."""
+    from experiments.evaluation.needles import build_needle_context, score_context
+    from model import ModelRunner
+
+    pre = load_pretrained(tiny, indexer_dir=None, attention="dense")
+    tok = pre.tokenizer
+    filler = np.asarray(tok.encode("plain filler words and more words. " * 40, bos=False))
+    ctx = build_needle_context(tok, filler, 256, 0.5, seed=2)
+    assert len(ctx.tokens) + max(map(len, ctx.questions)) + len(ctx.answer) <= 256
+    text = tok.decode(ctx.tokens)
+    key = tok.decode(ctx.answer).strip()
+    needle = f"\nThe pass key of {text.split('The pass key of ')[1].split()[0]} is {key}.\n"
+    before = text.index(needle)  # byte tokens: characters
+    assert text.count(key) == 1 and ctx.depth == pytest.approx(0.5, abs=0.01)
+    assert before / (len(text) - len(needle)) == pytest.approx(ctx.depth, abs=0.01)
+    runner = ModelRunner(pre.model)
+    got = score_context(runner, ctx, 256)
+    assert len(got) == len(ctx.questions)
+    for (teacher, exact), q in zip(got, ctx.questions):
+        whole = np.concatenate([ctx.tokens, q, ctx.answer[:-1]]).astype(np.int32)
+        logits, _ = runner.prefill(whole, logits_from=len(ctx.tokens) + len(q) - 1)
+        want = np.mean(np.asarray(logits).argmax(-1) == np.asarray(ctx.answer))
+        assert teacher == pytest.approx(want) and exact in (0.0, 1.0)
+    with pytest.raises(ValueError, match="depth"):
+        build_needle_context(tok, filler, 256, 1.5, seed=2)
+
+
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
+def test_needle_sweep_runs_from_the_command_line(tiny, tmp_path):
+    ev.main(["--model", str(tiny), "--indexer-dir", "none", "--lengths", "256", "--top-k", "32",
+             "--retrieval-only", "--probe", "needle", "--probe-sequences", "5",
+             "--methods", "dense,oracle,sparse_flat", "--baselines", str(tmp_path / "b"),
+             "--write-baselines", "--out", str(tmp_path)])
+    r = json.loads((tmp_path / "eval.json").read_text())["lengths"][0]["retrieval"]
+    assert r["kind"] == "needle" and r["dense"]["probes"] == 10
+    assert len(r["dense"]["by_depth"]) == 5 and "token_vs_dense" in r["oracle"]
+    assert (tmp_path / "b" / "needle_256.json").exists()
+    assert "oracle" in (tmp_path / "eval.md").read_text()
+
+
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
+def test_quick_proxy_reuses_the_dense_baseline(tiny, tmp_path):
+    from experiments.evaluation import proxy
+
+    args = ["--model", str(tiny), "--indexer-dir", "none", "--kl-length", "128",
+            "--copy", "256:2", "--baselines", str(tmp_path / "b")]
+    proxy.main(args + ["--out", str(tmp_path / "one")])
+    proxy.main(args + ["--out", str(tmp_path / "two")])
+    one, two = (json.loads((tmp_path / d / "proxy.json").read_text()) for d in ("one", "two"))
+    assert one["copy"][0]["dense_source"] == "computed"
+    assert two["copy"][0]["dense_source"] == "baseline"
+    assert one["copy"][0]["vs_dense"] == two["copy"][0]["vs_dense"]
+    assert one["heldout_kl"]["kl"] == two["heldout_kl"]["kl"] > 0

@@ -44,11 +44,11 @@ def oldest():
 
 
 def test_the_table_lists_every_kind_once():
-    assert selection_names() == ("flat", "hierarchical", "window")
+    assert selection_names() == ("flat", "hierarchical", "window", "oracle")
     assert selection_names(served=True) == ("flat", "hierarchical")
     assert all(callable(kind.function) for kind in SELECTIONS.values())
     with pytest.raises(ValueError, match=r"ModelConfig.indexer must be one of \('flat', "
-                                         r"'hierarchical', 'window'\), got 'nope'"):
+                                         r"'hierarchical', 'window', 'oracle'\), got 'nope'"):
         get_config("tiny", indexer="nope")
     with pytest.raises(ValueError, match=r"indexer must be null or one of \('flat', "
                                          r"'hierarchical'\), got 'window'"):

@@ -83,3 +83,23 @@ def test_api_dispatch():
     xla = pallas_kernels.sparse_attention(q, k, v, idx, backend="xla")
     interp = pallas_kernels.sparse_attention(q, k, v, idx, backend="interpret")
     check(interp, xla, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_masked_dense_form_equals_the_gather(dtype):
+    """The xla backend's masked form (a large share of the keys selected): same outputs as
+    the gathering reference, indices in any order, repeated, -1 anywhere, one empty row."""
+    from pallas_kernels.api import MASKED_MIN_SHARE
+    from pallas_kernels.sparse_attention import sparse_attention_masked
+
+    T, L, K = 9, 53, 23
+    q, k, v = qkv(4, T, L, 6, 2, 24, 20, dtype)
+    order = jnp.argsort(jax.random.uniform(jax.random.key(5), (T, L)), axis=1)[:, :K]
+    drop = jax.random.uniform(jax.random.key(6), (T, K)) < 0.3
+    idx = jnp.where(drop, -1, order).astype(jnp.int32).at[2].set(-1)
+    idx = idx.at[4, :5].set(idx[4, 7])  # a repeated token weighs as often as it is read
+    ref = sparse_attention_reference(q, k, v, idx)
+    check(sparse_attention_masked(q, k, v, idx), ref, dtype)
+    assert K >= MASKED_MIN_SHARE * L  # the public entry takes the masked form here
+    check(pallas_kernels.sparse_attention(q, k, v, idx, backend="xla"), ref, dtype)
+    assert not np.asarray(sparse_attention_masked(q, k, v, idx)[2], np.float32).any()
