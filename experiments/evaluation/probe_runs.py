@@ -1,0 +1,97 @@
+"""The retrieval probes run on a pretrained model: the evaluation's methods (dense, the
+oracle and the sparse selections, one config each) and `retrieval`, which scores every
+method on the same probe sequences (experiments.evaluation.retrieval, .needles), reading
+and writing the dense / oracle baselines (experiments.evaluation.baselines)."""
+
+import time
+
+import numpy as np
+
+from experiments.evaluation.baselines import BASELINE_METHODS, load_baseline, save_baseline
+from experiments.evaluation.needles import QUESTIONS, needle_contexts, score_context, summarize
+from experiments.evaluation.retrieval import (
+    build_probe_sequence,
+    mean_interval,
+    score_probes,
+    wilson_interval,
+)
+from model import ModelRunner, with_config
+
+METHODS = ("dense", "oracle", "sparse_flat", "sparse_hier")
+# The selection kind each sparse method runs (indexer.selection); "oracle" ranks the layer's
+# own dense attention: the limit any indexer can reach.
+METHOD_INDEXER = {"oracle": "oracle", "sparse_flat": "flat", "sparse_hier": "hierarchical"}
+
+
+def method_config(config, method):
+    if method == "dense":
+        return config.replace(attention="dense")
+    return config.replace(attention="sparse", indexer=METHOD_INDEXER[method])
+
+
+def retrieval(model, tokenizer, text_tokens, L, kind, n_seq, per_sequence, seed, log,
+              methods=METHODS, baselines=None):
+    """Retrieval probes (experiments.evaluation.retrieval) of one kind at length L, each
+    method scoring the same sequences -> {kind, sequences, per_sequence, depths, method:
+    exact accuracy (Wilson interval), token accuracy and, for other methods, its paired
+    difference to dense (intervals over sequences), per-probe scores, wall_s, source}.
+
+    baselines: None, or (directory, key, write): dense and oracle scores are read from the
+    directory's baseline file when it matches `key` (experiments.evaluation.baselines), and
+    written there after computing them when `write`."""
+    filler = np.asarray(text_tokens[:-L] if len(text_tokens) > 2 * L else text_tokens)
+    if kind == "needle":  # n_seq contexts, each asked len(QUESTIONS) questions
+        seqs, per_sequence = needle_contexts(tokenizer, filler, L, n_seq, seed), len(QUESTIONS)
+    else:
+        seqs = [build_probe_sequence(kind, tokenizer, filler, L, per_sequence=per_sequence,
+                                     seed=seed * 1000 + L + i) for i in range(n_seq)]
+    result = dict(kind=kind, sequences=n_seq, per_sequence=per_sequence)
+    per_seq = {}  # method -> [mean token accuracy of each sequence]
+    for method in methods:
+        t = time.monotonic()
+        scores = None
+        if baselines is not None and method in BASELINE_METHODS:
+            scores = load_baseline(baselines[0], baselines[1], method, n_seq, log)
+        source = "computed" if scores is None else "baseline"
+        if scores is None:
+            runner = ModelRunner(with_config(model, method_config(model.config, method)))
+            scores = []
+            for seq in seqs:
+                if kind == "needle":
+                    scores += score_context(runner, seq, L)
+                    continue
+                logits, _ = runner.prefill(seq.tokens, logits_from=seq.query_start)
+                scores += score_probes(logits, seq)
+        wall = round(time.monotonic() - t, 1)
+        if source == "computed" and baselines is not None and baselines[2] \
+                and method in BASELINE_METHODS:
+            save_baseline(baselines[0], baselines[1], method, scores, n_seq,
+                          command=baselines[3], wall_s=wall)
+        # per probe: the share of answer tokens right (teacher forced), and whether the
+        # probe was answered exactly (copy / passkey: all tokens right; needle: generated)
+        tokens_right = [x[0] for x in scores] if kind == "needle" else scores
+        exact = [x[1] == 1.0 for x in scores] if kind == "needle" else \
+            [x == 1.0 for x in scores]
+        per_seq[method] = [float(np.mean(tokens_right[i * per_sequence:(i + 1) * per_sequence]))
+                           for i in range(n_seq)]
+        k, n = sum(exact), len(scores)
+        lo, hi = wilson_interval(k, n)
+        tok, (tlo, thi) = mean_interval(per_seq[method])
+        entry = dict(correct=k, probes=n, accuracy=round(k / n, 4),
+                     ci95=[round(lo, 4), round(hi, 4)], token_accuracy=round(tok, 4),
+                     token_ci95=[round(tlo, 4), round(thi, 4)],
+                     scores=np.round(scores, 4).tolist(), wall_s=wall, source=source)
+        if kind == "needle":
+            entry["by_depth"] = summarize(scores, seqs, per_sequence)["by_depth"]
+        line = (f"L={L} {kind} probes {method}: exact {k}/{n} ({k / n:.1%} [{lo:.1%}, "
+                f"{hi:.1%}]), tokens {tok:.1%} [{tlo:.1%}, {thi:.1%}]")
+        if method != "dense" and "dense" in per_seq:
+            diff, (dlo, dhi) = mean_interval(np.subtract(per_seq[method], per_seq["dense"]))
+            entry["token_vs_dense"] = round(diff, 4)
+            entry["token_vs_dense_ci95"] = [round(dlo, 4), round(dhi, 4)]
+            line += f", vs dense {diff:+.1%} [{dlo:+.1%}, {dhi:+.1%}]"
+        result[method] = entry
+        log(line + f" ({source}, {wall} s)")
+    result["depths"] = [round(d, 3) for s in seqs for d in
+                        ([s.depth] if kind == "needle" else s.depths)]
+    return result
