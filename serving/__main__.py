@@ -8,6 +8,9 @@ listens at once; /health answers 503 until the model is loaded and compiled.
 With --mesh the model runs sharded over the mesh's devices; with several processes
 (--num-processes N, each run with the same flags and its own --process-id), process 0
 serves HTTP and the others replay its engine steps (serving.follower, docs/sharding.md).
+
+Exit codes: 0 after a SIGTERM drain, 1 when the model failed to load, 2 for bad flags or
+config, 3 when the group lost a host (serving.hosts: restart every process).
 """
 
 import argparse
@@ -75,24 +78,37 @@ def main(argv=None):
     for noisy in ("absl", "jax"):  # orbax's restore and JAX's backend probing, at INFO
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        check_parallel_flags(args)
+        processes = check_parallel_flags(args)
         mesh = serving_mesh(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     import jax
 
+    from serving.hosts import HostMonitor, exit_now, heartbeat_address
+
     if config.model == "tiny":
         logging.getLogger("serving").warning("--model tiny: RANDOM, UNTRAINED weights "
                                              "(tests and development only)")
+    if processes > 1:
+        address, _, _ = distributed_settings(args.coordinator_address, args.num_processes,
+                                             args.process_id)
+        beat_at = heartbeat_address(address, config.heartbeat_port)
     if jax.process_index() != 0:  # a follower: no HTTP, replays process 0's engine calls
         from serving.follower import run_follower
 
-        return run_follower(config, mesh)
+        # Process 0 lost: this process's main thread may be blocked in a collective.
+        hosts = HostMonitor.follow(beat_at, jax.process_index(), config.host_timeout_s,
+                                   on_lost=lambda process_id, reason: exit_now())
+        return run_follower(config, mesh, hosts=hosts)
     from serving.server import serve
     from serving.service import Service
 
-    return serve(Service(config, mesh=mesh), host=config.host, port=config.port)
+    service = Service(config, mesh=mesh)
+    if processes > 1:
+        service.hosts = HostMonitor.lead(beat_at, processes, config.host_timeout_s,
+                                         on_lost=service.host_lost)
+    return serve(service, host=config.host, port=config.port)
 
 
 if __name__ == "__main__":

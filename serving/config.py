@@ -53,6 +53,10 @@ class ServingConfig(FrozenConfig):
     warmup_max_context: compile prefill and decode buckets up to this length before ready
       (None: max_context; 0: no warm-up).
     api_key: when set, /v1/* and /predict need `Authorization: Bearer <api_key>`.
+    host_timeout_s: several processes: a process of the group that sends no heartbeat for
+      this long is lost (serving.hosts; a step may take longer: the heartbeat is not a step).
+    heartbeat_port: several processes: process 0's heartbeat port (None: the coordinator's
+      port + 1).
     """
 
     model: str = "default"
@@ -81,6 +85,8 @@ class ServingConfig(FrozenConfig):
     gpu_utilization: float = 0.9
     warmup_max_context: int | None = None
     api_key: str | None = None
+    host_timeout_s: float = 10.0
+    heartbeat_port: int | None = None
 
     def __post_init__(self):
         def fail(name, allowed):
@@ -144,6 +150,8 @@ class ServingConfig(FrozenConfig):
         check_number("drain_timeout_s", 0.0, 86_400.0)
         check_number("gpu_utilization", 0.0, 1.0, lo_open=True)
         check_int("warmup_max_context", 0, optional=True)
+        check_number("host_timeout_s", 0.0, 3600.0, lo_open=True)
+        check_int("heartbeat_port", 1, 65535, optional=True)
 
     def model_overrides(self):
         """The model's run-time switches this config sets (ModelConfig fields)."""

@@ -32,9 +32,11 @@ import numpy as np
 
 from model.buckets import length_bucket
 from serving.engine import Sampling
+from serving.hosts import HostLostError
 
 log = logging.getLogger("serving.follower")
 
+LOSS_CONFIRM_S = 2.0  # a failed call waits this long for the heartbeat to confirm a lost host
 OPS = ("shutdown", "begin_prefill", "prefill_step", "first_token", "cache_prompt", "insert",
        "decode", "reset_slots")
 OP_CODES = {name: code for code, name in enumerate(OPS)}
@@ -112,10 +114,13 @@ class Leader:
     """Process 0's engine for the scheduler: each call broadcasts its message, then runs on
     the wrapped Engine. Other attributes (config, n_slots, prefix_cache, ...) are the
     engine's. Calls are serialized by a lock: the scheduler thread and `shutdown` (from
-    the main thread) never interleave two collectives."""
+    the main thread) never interleave two collectives. hosts: the group's HostMonitor; a
+    call that fails while it reports a lost host raises HostLostError (its requests are
+    answered by the Service, with 503)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, hosts=None):
         self.engine = engine
+        self.hosts = hosts
         self._lock = threading.Lock()
         self._current = None  # the latest begun Prefill: the one followers hold
         self._closed = False
@@ -127,8 +132,15 @@ class Leader:
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"engine is shut down: cannot run {op}")
-            send(op, ints, floats)
-            return method(*args)
+            try:
+                send(op, ints, floats)
+                return method(*args)
+            except Exception as e:
+                # A collective with a dead peer fails (or hangs) before the heartbeat says
+                # so; wait a moment for it, so the client hears "host lost", not a 500.
+                if self.hosts is not None and self.hosts.wait_lost(LOSS_CONFIRM_S):
+                    raise HostLostError(self.hosts.message()) from e
+                raise
 
     def _check_current(self, state, op):
         if state is not self._current:
@@ -221,10 +233,11 @@ def follow(engine):
                 current = None
 
 
-def run_follower(config, mesh, *, loader=None):
+def run_follower(config, mesh, *, hosts=None, loader=None):
     """What `python -m serving` runs on processes other than 0: load the model, build and
     warm up the engine exactly as process 0 does (serving.loading.build_engine), then
-    follow. Returns the exit code."""
+    follow. hosts: this process's HostMonitor (serving.hosts), stopped with a goodbye after
+    process 0's shutdown. Returns the exit code."""
     import jax
 
     from serving.loading import build_engine
@@ -232,4 +245,6 @@ def run_follower(config, mesh, *, loader=None):
     log.info("process %d of %d: following process 0", jax.process_index(), jax.process_count())
     engine, _, _ = build_engine(config, mesh, loader=loader)
     follow(engine)
+    if hosts is not None:
+        hosts.stop()
     return 0

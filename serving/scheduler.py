@@ -7,7 +7,9 @@ step for every running request. A long prefill therefore advances one chunk per 
 step, and running requests keep streaming while it does.
 
 Requests talk to their caller only through `deliver(event)`, called on this thread (the
-API turns it into a hand-off to the event loop).
+API turns it into a hand-off to the event loop), or once from another thread by `fail_all`
+(a lost host: the worker may be blocked in a collective that never returns). Each request
+gets exactly one terminal event ("done" or "error"); nothing is delivered after it.
 """
 
 import collections
@@ -20,6 +22,7 @@ import traceback
 import numpy as np
 
 from serving.engine import Sampling
+from serving.hosts import HostLostError
 from serving.metrics import indexer_prefill_share
 
 log = logging.getLogger("serving.scheduler")
@@ -57,6 +60,7 @@ class Request:
     last_token_time: float | None = None
     finish_reason: str | None = None
     _cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _closed: bool = False  # its terminal event went out (under Scheduler._deliver_lock)
 
     @property
     def deadline(self):
@@ -80,6 +84,8 @@ class Scheduler:
         self.running = {}  # slot -> Request
         self.finished_log = collections.deque(maxlen=1000)  # (id, reason, tokens out)
         self._thread = None
+        self._deliver_lock = threading.Lock()
+        self._failure = None  # fail_all's (status, message, error_type): the worker stops
 
     # ------------------------------------------------------------------ any thread
 
@@ -96,8 +102,27 @@ class Scheduler:
 
     def submit(self, request):
         with self._cond:
-            self._incoming.append(request)
+            if self._failure is None:
+                self._incoming.append(request)
+                self._cond.notify_all()
+                return
+        self._send(request, _error_event(self._failure))
+
+    def fail_all(self, status, message, error_type):
+        """Answers every admitted request (waiting, prefilling, running) with this error and
+        stops the worker at its next turn; later submits get it too. Safe from any thread:
+        worker-owned state is only read here, and the worker's own deliveries to these
+        requests are dropped from now on."""
+        with self._cond:
+            self._failure = (status, message, error_type)
             self._cond.notify_all()
+            requests = list(self._incoming) + list(self.waiting) + list(self.running.values())
+            if self.prefilling is not None:
+                requests.append(self.prefilling[0])
+        for request in requests:
+            request.finish_reason = "error"
+            self._send(request, _error_event(self._failure))
+        log.error("failed %d requests: %s", len(requests), message)
 
     def cancel(self, request):
         """Stops `request`'s work at the worker's next turn (client gone, stop string)."""
@@ -123,7 +148,7 @@ class Scheduler:
                     while (not self._stop and len(self._incoming) < self.engine.n_slots
                            and time.perf_counter() < deadline):
                         self._cond.wait(deadline - time.perf_counter())
-                if self._stop:
+                if self._stop or self._failure is not None:
                     return
                 self.waiting.extend(self._incoming)
                 self._incoming.clear()
@@ -148,6 +173,8 @@ class Scheduler:
     def _guarded(self, requests, fn, *args):
         try:
             fn(*args)
+        except HostLostError:  # fail_all has answered every request; the loop ends
+            log.error("engine call failed: a host of the group is lost")
         except Exception as e:
             log.error("engine error:\n%s", traceback.format_exc())
             for request in requests:
@@ -227,7 +254,7 @@ class Scheduler:
         request.generated.append(token)
         if self.metrics is not None:
             self.metrics.generated_tokens.labels(**self.metrics.labels).inc()
-        _send(request, Event("token", now, token=token))
+        self._send(request, Event("token", now, token=token))
         if len(request.generated) >= request.max_tokens:
             self._finish(request, reason="length")
             return False
@@ -244,14 +271,25 @@ class Scheduler:
                 del self.running[slot]
         now = time.perf_counter()
         if error is not None:
-            status, message, error_type = error
             request.finish_reason = "error"
-            event = Event("error", now, status=status, message=message, error_type=error_type)
+            event = _error_event(error, now)
         else:
             request.finish_reason = reason
             event = Event("done", now, finish_reason=reason)
         self.finished_log.append((request.id, request.finish_reason, len(request.generated)))
-        _send(request, event)
+        self._send(request, event)
+
+    def _send(self, request, event):
+        # Under the lock, so that no token follows fail_all's error (deliver only hands the
+        # event to the event loop).
+        with self._deliver_lock:
+            if request._closed:
+                return
+            request._closed = event.kind in ("done", "error")
+            try:
+                request.deliver(event)
+            except Exception:  # a caller that is gone (closed loop) must not stop the engine
+                log.warning("could not deliver %s to request %s", event.kind, request.id)
 
     def _update_gauges(self):
         if self.metrics is None:
@@ -261,9 +299,7 @@ class Scheduler:
         self.metrics.waiting.labels(**self.metrics.labels).set(waiting)
 
 
-
-def _send(request, event):
-    try:
-        request.deliver(event)
-    except Exception:  # a caller that is gone (closed event loop) must not stop the engine
-        log.warning("could not deliver %s to request %s", event.kind, request.id)
+def _error_event(error, now=None):
+    status, message, error_type = error
+    return Event("error", time.perf_counter() if now is None else now, status=status,
+                 message=message, error_type=error_type)

@@ -1,6 +1,8 @@
 """Running the app under uvicorn, with a graceful drain on SIGTERM / SIGINT: the first
 signal stops admissions (new requests and /health get 503) and lets in-flight requests
-finish, for at most drain_timeout_s; then the server exits. A second signal exits at once."""
+finish, for at most drain_timeout_s; then the server exits. A second signal exits at once.
+A server whose model fails to load exits 1; one whose group lost a host (serving.hosts)
+exits serving.hosts.EXIT_CODE once the 503s are out."""
 
 import logging
 import threading
@@ -8,9 +10,12 @@ import time
 
 import uvicorn
 
+from serving.hosts import EXIT_CODE as HOST_LOST_EXIT_CODE
+from serving.hosts import exit_now
 from serving.service import DRAINING, FAILED, READY
 
 log = logging.getLogger("serving")
+HOST_LOST_GRACE_S = 1.0  # for the 503s (and in-stream error chunks) to reach the clients
 
 
 class DrainingServer(uvicorn.Server):
@@ -54,6 +59,17 @@ class DrainingServer(uvicorn.Server):
 
         threading.Thread(target=watch, name="dosa-load-watch", daemon=True).start()
 
+    def exit_if_host_lost(self):
+        """Exits (HOST_LOST_EXIT_CODE) soon after the group loses a host, so that a
+        supervisor restarts the group."""
+        def watch():
+            self.service.lost.wait()
+            time.sleep(HOST_LOST_GRACE_S)
+            self.exit_code = HOST_LOST_EXIT_CODE
+            self.should_exit = True
+
+        threading.Thread(target=watch, name="dosa-host-watch", daemon=True).start()
+
 
 def make_server(service, *, host, port, log_level="info"):
     from serving.api import create_app
@@ -64,10 +80,16 @@ def make_server(service, *, host, port, log_level="info"):
 
 
 def serve(service, *, host, port):
-    """Starts loading, serves until a signal (after the drain), returns the exit code."""
+    """Starts loading, serves until a signal (after the drain) or a lost host, returns the
+    exit code (a lost host: exits at once, skipping atexit's jax.distributed shutdown, which
+    would wait for the lost peer)."""
     server = make_server(service, host=host, port=port)
     service.start()
     server.exit_if_load_fails()
+    server.exit_if_host_lost()
     server.run()
+    if service.lost.is_set():
+        log.error("exiting %d: %s", HOST_LOST_EXIT_CODE, service.error)
+        exit_now(HOST_LOST_EXIT_CODE)
     service.stop()
     return server.exit_code

@@ -10,6 +10,7 @@ from serving.protocol import APIError
 log = logging.getLogger("serving")
 
 LOADING, READY, DRAINING, FAILED = "loading", "ready", "draining", "failed"
+HOST_LOST = "host_lost"
 
 
 class Service:
@@ -17,8 +18,9 @@ class Service:
 
     Readiness: LOADING until the model is loaded and its buckets compiled, then READY;
     DRAINING after `drain()` (in-flight requests finish, new ones get 503); FAILED when
-    loading raised (`error` says why). The admission count (running + waiting requests)
-    is kept on the event loop's thread.
+    loading raised (`error` says why); HOST_LOST when a process of a multi-process group
+    is gone (`host_lost`: every request is answered with 503, the server exits). The
+    admission count (running + waiting requests) is kept on the event loop's thread.
     """
 
     def __init__(self, config, *, loader=None, mesh=None):
@@ -34,7 +36,10 @@ class Service:
         self.max_context = None
         self.active = 0
         self.started = time.time()
+        self.hosts = None  # the group's serving.hosts.HostMonitor (several processes)
         self._ready = threading.Event()
+        self.lost = threading.Event()  # set by host_lost
+        self._state_lock = threading.Lock()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -48,13 +53,18 @@ class Service:
     def _load(self):
         try:
             self._build()
-            self.state = READY
+            with self._state_lock:
+                if self.state == LOADING:
+                    self.state = READY
             log.info("ready: serving %s on up to %d tokens of context (%s)", self.model_id,
                      self.max_context, self.loaded.description)
         except Exception as e:
-            log.exception("loading failed")
-            self.error = f"{type(e).__name__}: {e}"
-            self.state = FAILED
+            with self._state_lock:
+                if self.state == HOST_LOST:  # its collectives failed with the host
+                    return
+                log.exception("loading failed")
+                self.error = f"{type(e).__name__}: {e}"
+                self.state = FAILED
         finally:
             self._ready.set()
 
@@ -69,13 +79,32 @@ class Service:
         if _process_count(self.mesh) > 1:  # every engine call is replayed by the followers
             from serving.follower import Leader
 
-            engine = Leader(engine)
+            engine = Leader(engine, hosts=self.hosts)
         self.model_id = cfg.model_version or loaded.model_id
         metrics = Metrics(self.model_id, indexer_label(model_config))
         scheduler = Scheduler(engine, metrics, batching_window_s=cfg.batching_window_ms / 1000)
         scheduler.start()
-        self.loaded, self.engine, self.metrics = loaded, engine, metrics
-        self.scheduler, self.max_context = scheduler, max_context
+        with self._state_lock:
+            self.loaded, self.engine, self.metrics = loaded, engine, metrics
+            self.scheduler, self.max_context = scheduler, max_context
+            lost = self.state == HOST_LOST
+        if lost:  # lost while loading: nothing may run
+            scheduler.fail_all(503, self.error, "host_lost")
+
+    def host_lost(self, process_id, reason):
+        """A process of the group is gone (serving.hosts calls this, once): /health and
+        new requests get 503, every admitted request is answered with a 503 error that says
+        so, and `lost` tells the server to exit non-zero."""
+        with self._state_lock:
+            self.state = HOST_LOST
+            self.error = (self.hosts.message() if self.hosts is not None else
+                          f"a host of the serving group was lost (process {process_id}: "
+                          f"{reason})")
+            scheduler = self.scheduler
+        log.error("%s: answering every request with 503 and exiting", self.error)
+        if scheduler is not None:
+            scheduler.fail_all(503, self.error, "host_lost")
+        self.lost.set()
 
     def drain(self):
         """Stops admitting requests; those in flight go on."""
@@ -87,17 +116,25 @@ class Service:
         return self.active == 0
 
     def stop(self):
+        if self.lost.is_set():  # the group's collectives are broken: nothing to end
+            return
         if self.scheduler is not None:
             self.scheduler.stop()
-        if hasattr(self.engine, "shutdown"):  # a Leader: end the followers' loops
+        leader = hasattr(self.engine, "shutdown")
+        if leader:  # a Leader: end the followers' loops
             self.engine.shutdown()
+        if self.hosts is not None:
+            # After the followers' shutdown: goodbye, not a loss. No engine (the load
+            # failed): no goodbye, so that the followers, stuck in their warm-up or their
+            # first receive, exit too.
+            self.hosts.stop(goodbye=leader)
 
     # ------------------------------------------------------------------ per request
 
     def health(self):
         """(HTTP status, body) of GET /health."""
         body = {"status": self.state, "model": self.model_id}
-        if self.state == FAILED:
+        if self.state in (FAILED, HOST_LOST):
             body["error"] = self.error
         if self.state == READY:
             running, waiting = self.scheduler.counts()
@@ -111,7 +148,8 @@ class Service:
             return
         messages = {LOADING: "the model is still loading and compiling; retry shortly",
                     DRAINING: "the server is shutting down (draining); not accepting requests",
-                    FAILED: f"the model failed to load: {self.error}"}
+                    FAILED: f"the model failed to load: {self.error}",
+                    HOST_LOST: self.error}
         raise APIError(503, messages[self.state])
 
     def admit(self):
