@@ -15,6 +15,8 @@ _INT_MAX = 1 << 30
 # Fast ranking (HierarchicalConfig.fast_ranking) packs a column into the low bits of each
 # score: it keeps >= 11 mantissa bits up to 2^12 columns (indexer.hierarchical.packed_topk).
 PACKED_MAX_COLUMN_BITS = 12
+# Keys scored per step by the streaming flat selection (indexer.streaming).
+STREAMING_KEY_TILE = 4096
 
 
 class FrozenConfig:

@@ -12,7 +12,7 @@ ops carry no bytes: their measured rates include their memory traffic.
 import dataclasses
 import math
 
-from indexer.config import PACKED_MAX_COLUMN_BITS, hierarchical_plan
+from indexer.config import PACKED_MAX_COLUMN_BITS, STREAMING_KEY_TILE, hierarchical_plan
 
 F32 = 4  # scores, softmax statistics, summaries and index tensors are 4-byte values
 
@@ -143,6 +143,23 @@ def flat_ops(s, T, p0, kv_len, skip):
     return [Op("indexer", "flat scores", "index_scores", flops=2 * s.heads * s.dim * pairs,
                bytes=T * s.heads * (s.dim * s.itemsize + F32) + keys + T * kv_len * F32),
             _topk("flat top_k", T, kv_len, s.top_k)]
+
+
+def streaming_ops(s, T, p0, kv_len, skip):
+    """Streaming flat selection (indexer.streaming): flat's scores, tile by tile (tiles
+    past a query chunk's last position skipped, the score matrix never written), and the
+    worst case of its ranking: every visible tile's top-k merged into the running one
+    (on CPU at 8K-32K with top_k 1024 nearly every tile merges at full size)."""
+    tile = min(STREAMING_KEY_TILE, kv_len)
+    tiles = -(-min(p0 + T, kv_len) // tile)  # visible tiles of the last query chunk
+    pairs = visible_keys(p0, T, kv_len) if skip else T * tiles * tile
+    keys = tiles * tile * s.dim * s.itemsize * -(-T // 64)
+    take = min(s.top_k, tile)
+    return [Op("indexer", "streaming scores", "index_scores",
+               flops=2 * s.heads * s.dim * pairs,
+               bytes=T * s.heads * (s.dim * s.itemsize + F32) + keys),
+            _topk("streaming tile top_k", T * tiles, tile, take),
+            _topk("streaming merge", T * tiles, s.top_k + take, s.top_k)]
 
 
 def hierarchical_sizes(c, T, kv_len, top_k, heads):

@@ -25,10 +25,19 @@ def topk_indices(scores, top_k):
     scores: f32[T, L] with -inf for invisible keys -> i32[T, top_k].
     """
     T, L = scores.shape
+    scores = signless_zeros(scores)
     if top_k > L:
         scores = jnp.pad(scores, ((0, 0), (0, top_k - L)), constant_values=-jnp.inf)
     values, idx = jax.lax.top_k(scores, top_k)
     return jnp.where(jnp.isfinite(values), idx, -1).astype(jnp.int32)
+
+
+def signless_zeros(scores):
+    """-0.0 -> 0.0. lax.top_k orders -0.0 below 0.0, and which sign a zero score gets
+    (ReLU'd heads times negative weights) depends on the summation order, so a score
+    computed over a key tile and over the whole row could rank differently; equal scores
+    go to the lower index instead."""
+    return jnp.where(scores == 0, jnp.float32(0), scores)
 
 
 def _check_topk(top_k):

@@ -37,7 +37,7 @@ import importlib
 from collections.abc import Callable
 
 from indexer.config import HierarchicalConfig
-from indexer.costs import flat_ops, hierarchical_ops, oracle_ops, window_ops
+from indexer.costs import flat_ops, hierarchical_ops, oracle_ops, streaming_ops, window_ops
 
 
 def _single_query_tile(config, T):
@@ -94,6 +94,10 @@ SELECTIONS = {kind.name: kind for kind in (
                   "coarse-to-fine: score key blocks, then tokens inside the best blocks",
                   hierarchical_ops, config=HierarchicalConfig,
                   query_tile=_hierarchical_query_tile),
+    SelectionKind("streaming", "indexer.streaming:streaming_select",
+                  "flat's exact top_k computed one key tile at a time into a running top_k: "
+                  "the same selection, never a [queries x context] score matrix",
+                  streaming_ops),
     SelectionKind("window", "indexer.scoring:window_select",
                   "the query and the top_k - 1 tokens before it, no scoring (the baseline "
                   "that measures what selection costs)", window_ops, served=False),

@@ -20,8 +20,11 @@ and each budget rule:
   tables no larger than the budget, `tile_candidate_tokens=8192`, or exact mode,
   `exact=true`), one row per scorer, rule NAME.
 
-Recall is against flat top-k on the same inputs, averaged over layers; speedup is the sum
-over layers of flat time over hierarchical time. ceiling: the best recall any choice of that
+Exact flat paths: flat top-k (one ranking per row of scores) and the streaming selection
+(indexer.streaming: key tiles of --streaming-tiles, a running top-k, no score matrix; its
+rows say whether it matched flat index for index). Recall is against flat top-k on the same
+inputs, averaged over layers; speedup is the fastest exact flat path's time over the row's,
+both summed over layers. ceiling: the best recall any choice of that
 many blocks reaches (indexer.block_recall_ceiling), per fixed budget; mass and ratio rows
 give the candidate blocks they kept and ran at; "scored" is the share of the visible blocks
 scored exactly per query (exact mode's rescoring included: where exact mode prunes).
@@ -50,6 +53,8 @@ from experiments.common import (
 )
 from experiments.data import eval_sequence, model_indexer_inputs
 from experiments.model_source import load_source
+from indexer.config import STREAMING_KEY_TILE
+from indexer.streaming import streaming_topk
 from model.coarse_screen_file import has_coarse_screen
 
 
@@ -92,6 +97,9 @@ def bench_layer(q, w, k, top_k, q_offset, runs, screen, args):
     summaries = jax.block_until_ready(jit_block_summaries(k, block_size=args.block_size))
     fns = {"flat": lambda: indexer.flat_topk(q, w, k, top_k, q_offset=q_offset,
                                              query_chunk=args.flat_chunk)}
+    for tile in args.streaming_tiles:
+        fns[f"streaming/{tile}"] = (lambda t: lambda: streaming_topk(
+            q, w, k, top_k, q_offset=q_offset, key_tile=t, query_chunk=args.flat_chunk))(tile)
     for name, (_, _, _, cfg) in runs.items():
         fns[name] = (lambda c: lambda: indexer.hierarchical_topk(
             q, w, k, top_k, c, q_offset=q_offset, summaries=summaries, screen=screen))(cfg)
@@ -99,6 +107,10 @@ def bench_layer(q, w, k, top_k, q_offset, runs, screen, args):
     times = median_interleaved(fns, args.repeats)
     flat = outs["flat"]
     res = {"flat_s": times["flat"]}
+    for tile in args.streaming_tiles:
+        name = f"streaming/{tile}"
+        res[name] = dict(time_s=times[name], equal=bool(np.array_equal(outs[name], flat)),
+                         recall=indexer.recall(outs[name], flat))
     for name, (_, _, _, cfg) in runs.items():
         _, stats = indexer.hierarchical_topk_with_stats(q, w, k, top_k, cfg, q_offset=q_offset,
                                                        summaries=summaries, screen=screen)
@@ -114,14 +126,22 @@ def bench_layer(q, w, k, top_k, q_offset, runs, screen, args):
     return res
 
 
-def summarize(L, per_layer, runs):
+def summarize(L, per_layer, runs, tiles):
     flat_s = sum(r["flat_s"] for r in per_layer)
-    rows = []
+    exact = {"flat": flat_s} | {f"streaming/{t}": sum(r[f"streaming/{t}"]["time_s"]
+                                                       for r in per_layer) for t in tiles}
+    fastest = min(exact, key=exact.get)
+    rows = [dict(name=f"streaming/{t}", method="streaming", rule="key tile", knob=t, length=L,
+                 hierarchical_s=exact[f"streaming/{t}"],
+                 speedup=exact[fastest] / exact[f"streaming/{t}"],
+                 recall=float(np.mean([r[f"streaming/{t}"]["recall"] for r in per_layer])),
+                 equal=all(r[f"streaming/{t}"]["equal"] for r in per_layer),
+                 kept_blocks=None, run_blocks=None, scored=1.0, ceiling=None) for t in tiles]
     for name, (method, rule, knob, _cfg) in runs.items():
         hier_s = sum(r[name]["time_s"] for r in per_layer)
         rows.append(dict(
             name=name, method=method, rule=rule, knob=knob, length=L, hierarchical_s=hier_s,
-            speedup=flat_s / hier_s,
+            speedup=exact[fastest] / hier_s,
             recall=float(np.mean([r[name]["recall"] for r in per_layer])),
             recall_per_layer=[r[name]["recall"] for r in per_layer],
             kept_blocks=float(np.mean([r[name]["kept_blocks"] for r in per_layer])),
@@ -129,23 +149,28 @@ def summarize(L, per_layer, runs):
             scored=float(np.mean([r[name]["scored"] for r in per_layer])),
             ceiling=(float(np.mean([r[name]["ceiling"] for r in per_layer]))
                      if "ceiling" in per_layer[0][name] else None)))
-    return dict(length=L, flat_s=flat_s, rows=rows)
+    return dict(length=L, flat_s=flat_s, exact_s=exact, fastest_exact=fastest, rows=rows)
 
 
 def markdown(result):
+    fastest = ", ".join(f"L={x['length']}: {x['fastest_exact']}" for x in result["lengths"])
     lines = [f"Recall-speed frontier: {result['model']}, last {result['queries']} queries, "
-             f"top_k {result['top_k']}, blocks of {result['block_size']}; speedup = flat time "
-             f"/ hierarchical time summed over {result['layers']} layers, recall vs flat "
-             f"(mean over layers). {result['machine']}.", "",
+             f"top_k {result['top_k']}, blocks of {result['block_size']}; speedup = the "
+             f"fastest exact flat path's time ({fastest}) / the row's, summed over "
+             f"{result['layers']} layers, recall vs flat (mean over layers); streaming rows: "
+             f"exact flat over key tiles (= flat index for index: "
+             f"{all(r.get('equal', True) for x in result['lengths'] for r in x['rows'])}). "
+             f"{result['machine']}.", "",
              "| L | scorer | rule | knob | speedup | recall | ceiling | blocks kept / run | "
              "scored |",
              "|---|---|---|---|---|---|---|---|---|"]
     for length in result["lengths"]:
         for r in length["rows"]:
             ceiling = f"{r['ceiling']:.4f}" if r["ceiling"] is not None else ""
+            blocks = ("" if r["kept_blocks"] is None else
+                      f"{r['kept_blocks']:.1f} / {r['run_blocks']:.1f}")
             lines.append(f"| {r['length']} | {r['method']} | {r['rule']} | {r['knob']} | "
-                         f"{r['speedup']:.2f}x | {r['recall']:.4f} | {ceiling} | "
-                         f"{r['kept_blocks']:.1f} / {r['run_blocks']:.1f} | "
+                         f"{r['speedup']:.2f}x | {r['recall']:.4f} | {ceiling} | {blocks} | "
                          f"{r['scored']:.3f} |")
     return "\n".join(lines)
 
@@ -161,7 +186,7 @@ def plot(result, path):
     styles = {"mean": "tab:blue", "learned": "tab:red"}
     marks = {"fixed": "o-", "mass": "s--", "ratio": "^:"}
     for ax, length in zip(axes[0], lengths):
-        for method in sorted({r["method"] for r in length["rows"]}):
+        for method in sorted({r["method"] for r in length["rows"]} - {"streaming"}):
             for rule in dict.fromkeys(r["rule"] for r in length["rows"]):
                 pts = sorted((r["recall"], r["speedup"]) for r in length["rows"]
                               if r["method"] == method and r["rule"] == rule)
@@ -172,6 +197,11 @@ def plot(result, path):
                     for x, y in pts:
                         ax.annotate(rule, (x, y), textcoords="offset points", xytext=(4, 4),
                                     fontsize=7)
+        for r in length["rows"]:
+            if r["method"] == "streaming":
+                ax.plot(r["recall"], r["speedup"], "kx")
+                ax.annotate(f"streaming {r['knob']}", (r["recall"], r["speedup"]),
+                            textcoords="offset points", xytext=(-60, 4), fontsize=7)
         fixed = [r for r in length["rows"] if r["rule"] == "fixed" and r["method"] == "mean"]
         if fixed:  # the ceiling of each fixed budget, at that budget's measured speed
             ax.plot([r["ceiling"] for r in fixed], [r["speedup"] for r in fixed], "k*",
@@ -217,6 +247,9 @@ def main(argv=None):
                         "exist)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--flat-chunk", type=int, default=128)
+    p.add_argument("--streaming-tiles", type=parse_list(int), default=[STREAMING_KEY_TILE],
+                   help="key tiles of the streaming flat selection, one row each ('' for "
+                        "none)")
     add_out_argument(p, "frontier")
     args = p.parse_args(argv)
     if args.queries < 1 or args.repeats < 1 or not args.lengths:
@@ -256,7 +289,7 @@ def main(argv=None):
             per_layer.append(bench_layer(jnp.asarray(q), jnp.asarray(w), jnp.asarray(k), top_k,
                                          L - n, runs, screen, args))
             print(f"  layer {i} done ({time.monotonic() - t0:.0f} s)", flush=True)
-        result["lengths"].append(summarize(L, per_layer, runs))
+        result["lengths"].append(summarize(L, per_layer, runs, args.streaming_tiles))
     result["wall_s"] = round(time.monotonic() - t0, 1)
     text = markdown(result)
     print(text)

@@ -28,9 +28,10 @@ QUESTIONS = ("\nThe pass key of {name} is",
 @dataclasses.dataclass
 class NeedleContext:
     tokens: np.ndarray  # int32[n]: held-out text with the needle spliced in
-    depth: float  # the share of the context's filler text before the needle
+    depth: float  # the depth asked for (contexts are grouped by it)
     answer: list  # the key's tokens (" DDDDD")
     questions: list  # token lists, each followed by the answer
+    placed: float = None  # the share of the context's filler text really before the needle
 
 
 def build_needle_context(tokenizer, filler, length, depth, *, seed):
@@ -54,7 +55,7 @@ def build_needle_context(tokenizer, filler, length, depth, *, seed):
     text = filler[offset:offset + n_filler].tolist()
     cut = int(round(depth * n_filler))
     tokens = np.asarray(text[:cut] + needle + text[cut:], np.int32)
-    return NeedleContext(tokens, cut / n_filler, answer, questions)
+    return NeedleContext(tokens, depth, answer, questions, placed=cut / n_filler)
 
 
 def score_context(runner, ctx, capacity):
@@ -84,7 +85,7 @@ def summarize(scores, contexts, per_context):
     scores = np.asarray(scores, np.float64).reshape(len(contexts), per_context, 2)
     by_depth = {}
     for ctx, s in zip(contexts, scores):
-        by_depth.setdefault(round(ctx.depth, 2), []).append(s)
+        by_depth.setdefault(round(ctx.depth, 3), []).append(s)
     return dict(teacher_forced=round(float(scores[..., 0].mean()), 4),
                 generated_exact=round(float(scores[..., 1].mean()), 4),
                 by_depth={str(d): dict(teacher_forced=round(float(np.mean([x[:, 0] for x in v])),

@@ -25,9 +25,13 @@ def test_distil_then_frontier(tmp_path):
                    "--budgets", "256,512", "--masses", "0.9", "--ratios", "0.5",
                    "--extra", "exact:candidate_tokens=256,exact=true;tight:"
                    "candidate_tokens=512,tile_candidate_tokens=512",
-                   "--repeats", "1", "--out", str(out)])
+                   "--streaming-tiles", "300", "--repeats", "1", "--out", str(out)])
     result = json.loads((out / "frontier.json").read_text())
     rows = result["lengths"][0]["rows"]
+    streaming = [r for r in rows if r["method"] == "streaming"]
+    assert len(streaming) == 1 and streaming[0]["equal"] and streaming[0]["recall"] == 1.0
+    assert result["lengths"][0]["fastest_exact"] in ("flat", "streaming/300")
+    rows = [r for r in rows if r["method"] != "streaming"]
     assert {r["method"] for r in rows} == {"mean", "learned"}
     assert {r["rule"] for r in rows} == {"fixed", "mass", "ratio", "exact", "tight"}
     for r in rows:

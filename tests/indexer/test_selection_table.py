@@ -44,14 +44,15 @@ def oldest():
 
 
 def test_the_table_lists_every_kind_once():
-    assert selection_names() == ("flat", "hierarchical", "window", "oracle")
-    assert selection_names(served=True) == ("flat", "hierarchical")
+    assert selection_names() == ("flat", "hierarchical", "streaming", "window", "oracle")
+    assert selection_names(served=True) == ("flat", "hierarchical", "streaming")
     assert all(callable(kind.function) for kind in SELECTIONS.values())
     with pytest.raises(ValueError, match=r"ModelConfig.indexer must be one of \('flat', "
-                                         r"'hierarchical', 'window', 'oracle'\), got 'nope'"):
+                                         r"'hierarchical', 'streaming', 'window', 'oracle'\), got "
+                                         r"'nope'"):
         get_config("tiny", indexer="nope")
     with pytest.raises(ValueError, match=r"indexer must be null or one of \('flat', "
-                                         r"'hierarchical'\), got 'window'"):
+                                         r"'hierarchical', 'streaming'\), got 'window'"):
         config_from_mapping({"indexer": "window"})  # a baseline, not offered by serving
 
 
