@@ -6,7 +6,8 @@
 
 For every context length and mode of the config (default: the shipped `small` checkpoint on
 held-out real text; sparse-flat and sparse-hierarchical at 8K, 16K and 32K, dense up to
-8K): TTFT (median and spread over the timed repetitions after a compile-only warm-up), the
+8K): TTFT (min, median and max over the timed repetitions after a compile-only warm-up,
+the modes and split baselines of a length interleaved; ratios from the min), the
 prefill split into indexer / attention / other with the indexer's share, the decode step
 time, and the fidelity of each mode against the reference (recall and IoU of the selection,
 greedy top-1 agreement and logit KL over the last positions, vs flat and vs dense). Writes

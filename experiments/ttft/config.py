@@ -7,7 +7,8 @@
                                 hierarchical overrides, ModelConfig overrides, max_length)
     reference:    the mode the others are compared with (default sparse-flat)
     compare:      the mode the summary reports against the reference (sparse-hierarchical)
-    repetitions:  timed prefills per (length, mode), after a compile-only warm-up
+    repetitions:  timed rounds per length, after a compile-only warm-up: each round times
+                  every mode and split baseline once (interleaved)
     fidelity_positions: last positions whose logits are compared (teacher-forced)
     decode_steps: timed decode steps after the prefill (inter-token latency)
 
@@ -114,7 +115,7 @@ class RunConfig(ConfigSection):
     modes: tuple = DEFAULT_MODES
     reference: str = "sparse-flat"
     compare: str = "sparse-hierarchical"
-    repetitions: int = 2
+    repetitions: int = 3
     fidelity_positions: int = 512
     decode_steps: int = 8
 

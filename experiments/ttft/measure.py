@@ -1,14 +1,17 @@
-"""Measuring one mode at one context length: TTFT, its split, decode steps, fidelity.
+"""Measuring the modes of one context length: TTFT, its split, decode steps, fidelity.
 
 TTFT is prefill start to first token available (the last position's logits ready and
-argmax'd on the host), timed with time.perf_counter over `repetitions` prefills after a
-compile-only warm-up (ModelRunner.compile_prefill), so no compile is timed. Each timed
-prefill also returns the logits of the last fidelity positions and the last chunk's
-selections and indexer inputs (a few hundred KB next to the pass), which the fidelity
-figures are computed from: what is timed is the pass that is compared.
+argmax'd on the host), timed with time.perf_counter after a compile-only warm-up
+(ModelRunner.compile_prefill), so no compile is timed. Every mode of a length and the
+baselines of its split are compiled first, then timed interleaved: each repetition runs
+each of them once (reference first), so a slow spell of the machine falls on all of them
+alike; ratios and the split use each one's fastest run (the min), the median is reported
+beside it. Each timed prefill also returns the logits of the last fidelity positions and the
+last chunk's selections and indexer inputs (a few hundred KB next to the pass), which the
+fidelity figures are computed from: what is timed is the pass that is compared.
 
-The split, measured rather than modelled, from TTFT differences of the same model (each a
-median of timed prefills, the baselines measured once per length):
+The split, measured rather than modelled, from TTFT differences of the same model (mins of
+the interleaved runs; the baselines measured once per length):
 - indexer = TTFT - TTFT with indexer="window" (each query reads the top_k tokens before it:
   the same sparse attention, projections and caches, no selection scoring);
 - attention = TTFT with indexer="window" - TTFT with indexer="window" and top_k = 1 (dense
@@ -44,53 +47,84 @@ class ModeRun:
     cache: list | None = None
 
 
-def timed_prefills(runner, tokens, *, capacity, repetitions, logits_from=None, capture=(),
-                   capture_from=None):
-    """`repetitions` prefills after a compile-only warm-up -> (TTFT ms list, the last
-    prefill's output)."""
-    args = dict(capacity=capacity, logits_from=logits_from, capture=capture,
-                capture_from=capture_from)
-    runner.compile_prefill(len(tokens), **args)
-    times, out = [], None
-    for _ in range(repetitions):
-        out = None  # the previous pass's cache is freed before the next one
+class TimedPrefill:
+    """One runner's prefill of `tokens`, compiled at construction (compile_prefill) and
+    timed one call at a time (`time_once`), so that several can be interleaved. `times`:
+    TTFT ms of each timed call; `out`: the last call's output."""
+
+    def __init__(self, runner, tokens, *, capacity, logits_from=None, capture=(),
+                 capture_from=None):
+        self.runner, self.tokens, self.logits_from = runner, tokens, logits_from
+        self.args = dict(capacity=capacity, logits_from=logits_from, capture=capture,
+                         capture_from=capture_from)
+        runner.compile_prefill(len(tokens), **self.args)
+        self.times, self.out = [], None
+
+    def time_once(self):
+        self.out = None  # the previous pass's cache is freed before the next one
         t0 = time.perf_counter()
-        out = runner.prefill(tokens, **args)
-        last = out[0][-1] if logits_from is not None else out[0]
+        out = self.runner.prefill(self.tokens, **self.args)
+        last = out[0][-1] if self.logits_from is not None else out[0]
         int(np.argmax(np.asarray(last)))
-        times.append(1000 * (time.perf_counter() - t0))
-    return times, out
+        self.times.append(1000 * (time.perf_counter() - t0))
+        self.out = out
+
+    def stats(self):
+        return {"median": statistics.median(self.times), "min": min(self.times),
+                "max": max(self.times), "runs": list(self.times)}
 
 
-def baseline_ttft_ms(model, config, tokens, run, *, top_k):
-    """Median TTFT of `config` with indexer="window" reading `top_k` tokens per query (the
-    selection-free baselines of the split)."""
-    window = config.replace(attention="sparse", indexer="window", flat_index_layers=(),
-                            top_k=top_k)
-    runner = ModelRunner(with_config(model, window))
-    times, _ = timed_prefills(runner, tokens, capacity=len(tokens) + run.decode_steps + 1,
-                              repetitions=run.repetitions)
-    return statistics.median(times)
+def time_interleaved(timers, repetitions):
+    """`repetitions` rounds, each timing every TimedPrefill of `timers` once, in order."""
+    for _ in range(repetitions):
+        for timer in timers:
+            timer.time_once()
 
 
-def measure_mode(model, spec, tokens, run, *, baseline_ms, keep_cache=False):
-    """Measures `spec` (a ModeSpec) on `tokens` -> ModeRun. run: the RunConfig.
-    baseline_ms(config, top_k) -> the window baseline's TTFT at this length. keep_cache:
-    keep the prefill's cache in the ModeRun (the reference's: the other modes' selections
-    are compared on its inputs)."""
+def window_config(config, top_k):
+    """`config` with indexer="window" reading `top_k` tokens per query: the selection-free
+    baselines of the split."""
+    return config.replace(attention="sparse", indexer="window", flat_index_layers=(),
+                          top_k=top_k)
+
+
+def baseline_keys(config, sparse):
+    """The window baselines a mode's split needs, as (top_k, prefill_chunk): what a
+    baseline's cost depends on."""
+    keys = [(1, config.prefill_chunk)]
+    if sparse:
+        keys.insert(0, (config.top_k, config.prefill_chunk))
+    return keys
+
+
+def baseline_timer(model, config, tokens, run, top_k):
+    runner = ModelRunner(with_config(model, window_config(config, top_k)))
+    return TimedPrefill(runner, tokens, capacity=len(tokens) + run.decode_steps + 1)
+
+
+def mode_timer(model, spec, tokens, run):
+    """A compiled TimedPrefill of mode `spec` (a ModeSpec) -> (config, TimedPrefill)."""
     config = spec.model_config(model.config)
-    runner = ModelRunner(with_config(model, config))
     L, P = len(tokens), run.fidelity_positions
-    capacity = L + run.decode_steps + 1
     capture = ("indexer", "indices") if spec.sparse else ()
-    ttfts, out = timed_prefills(runner, tokens, capacity=capacity,
-                                repetitions=run.repetitions, logits_from=L - P,
-                                capture=capture, capture_from=L - P)
-    ttft = statistics.median(ttfts)
+    timer = TimedPrefill(ModelRunner(with_config(model, config)), tokens,
+                         capacity=L + run.decode_steps + 1, logits_from=L - P,
+                         capture=capture, capture_from=L - P)
+    return config, timer
+
+
+def finish_mode(spec, config, timer, run, baselines, *, keep_cache=False):
+    """The ModeRun of a mode timed by `timer` (after time_interleaved): decode steps after
+    its last prefill, the split from the mins of its runs and of `baselines` ({(top_k,
+    prefill_chunk): TimedPrefill}). keep_cache: keep the prefill's cache in the ModeRun
+    (the reference's: the other modes' selections are compared on its inputs)."""
+    out, runner, L = timer.out, timer.runner, len(timer.tokens)
+    ttft = timer.stats()
     tail_logprobs = np.asarray(jax.nn.log_softmax(out[0], axis=-1))
-    cache, captured = out[1], (out[2] if capture else None)
+    cache, captured = out[1], (out[2] if spec.sparse else None)
     # The comparisons read the cache as the prefill left it (decode appends to it).
     prefill_cache = jax.tree.map(jnp.copy, cache) if keep_cache else None
+    timer.out = None
 
     decode_ms = None
     if run.decode_steps:  # greedy steps after the prompt; one untimed step compiles
@@ -104,14 +138,14 @@ def measure_mode(model, spec, tokens, run, *, baseline_ms, keep_cache=False):
             position += 1
         decode_ms = {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
-    other_ms = baseline_ms(config, 1)
-    window_ms = baseline_ms(config, config.top_k) if spec.sparse else ttft
-    indexer_ms = ttft - window_ms
+    keys = baseline_keys(config, spec.sparse)
+    other_ms = min(baselines[keys[-1]].times)
+    window_ms = min(baselines[keys[0]].times) if spec.sparse else ttft["min"]
+    indexer_ms = ttft["min"] - window_ms
     row = {"context_len": L, "mode": spec.name, "attention": spec.attention,
            "indexer": spec.indexer if spec.sparse else None,
-           "ttft_ms": {"median": ttft, "min": min(ttfts), "max": max(ttfts), "runs": ttfts},
-           "indexer_ms": indexer_ms, "attention_ms": window_ms - other_ms,
-           "other_ms": other_ms, "indexer_share": indexer_ms / ttft,
+           "ttft_ms": ttft, "indexer_ms": indexer_ms, "attention_ms": window_ms - other_ms,
+           "other_ms": other_ms, "indexer_share": indexer_ms / ttft["min"],
            "baselines_ms": {"window_top_k": window_ms if spec.sparse else None,
                             "window_top_1": other_ms},
            "decode_step_ms": decode_ms, "recall": None, "iou": None,

@@ -5,7 +5,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLUMNS = ("tokens", "mode", "TTFT ms (median [min-max])", "indexer ms", "attention ms",
+COLUMNS = ("tokens", "mode", "TTFT ms (min; median [max])", "indexer ms", "attention ms",
            "other ms", "indexer share", "decode ms/step", "recall", "IoU",
            "top-1 vs ref", "KL vs ref", "top-1 vs dense")
 
@@ -20,7 +20,7 @@ def row_cells(r):
     t = r["ttft_ms"]
     decode = r.get("decode_step_ms")
     return [str(r["context_len"]), r["mode"],
-            f"{t['median']:.0f} [{t['min']:.0f}-{t['max']:.0f}]",
+            f"{t['min']:.0f}; {t['median']:.0f} [{t['max']:.0f}]",
             _f(r["indexer_ms"], ".0f"), _f(r["attention_ms"], ".0f"), _f(r["other_ms"], ".0f"),
             _f(r["indexer_share"], ".2f"), _f(decode and decode["median"], ".2f"),
             _f(r["recall"], ".4f"), _f(r["iou"], ".4f"), _f(r["top1_agreement"], ".4f"),
@@ -49,7 +49,8 @@ def markdown(results):
              f"Model: {results['model']}. Text: held-out standard-library sources. "
              f"Device: {env['device']} ({env['backend']}, jax {env['jax']}). "
              f"Repetitions: {cfg['repetitions']} timed prefills per row after a compile-only "
-             f"warm-up; wall time {results['wall_s']:.0f} s.", "",
+             f"warm-up, the modes and baselines of a length interleaved; ratios and the split "
+             f"from each row's fastest run; wall time {results['wall_s']:.0f} s.", "",
              summary_line(results["summary"]), ""]
     if results["random_weights"]:
         lines += ["Random weights: timing only; no fidelity figures.", ""]
@@ -80,10 +81,14 @@ def plot(results, path):
     modes = list(dict.fromkeys(r["mode"] for r in runs))
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
     for mode in modes:
-        pts = sorted((r["context_len"], r["ttft_ms"]["median"] / 1000) for r in runs
-                     if r["mode"] == mode)
+        pts = sorted((r["context_len"], r["ttft_ms"]["min"] / 1000, r.get("recall"))
+                     for r in runs if r["mode"] == mode)
         left.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
-    left.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="TTFT (s)",
+        for x, y, recall in pts:  # fidelity beside speed: recall vs the reference
+            if recall is not None:
+                left.annotate(f"recall {recall:.3f}", (x, y), textcoords="offset points",
+                              xytext=(5, -10), fontsize=7)
+    left.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="TTFT (s, fastest run)",
              title="Time to first token")
     left.legend()
     lengths = sorted({r["context_len"] for r in runs})

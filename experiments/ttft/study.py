@@ -9,7 +9,14 @@ from flax import nnx
 
 from experiments.data import Corpus, eval_sequence
 from experiments.evaluation.metrics import pair_metrics
-from experiments.ttft.measure import baseline_ttft_ms, measure_mode, selection_overlap
+from experiments.ttft.measure import (
+    baseline_keys,
+    baseline_timer,
+    finish_mode,
+    mode_timer,
+    selection_overlap,
+    time_interleaved,
+)
 from model import (
     Transformer,
     default_checkpoint_dir,
@@ -21,9 +28,11 @@ from model import (
 from model.checkpoint import read_config
 
 METHOD = {
-    "ttft": "prefill start to the first token on the host (last logits ready, argmax), median "
-            "over the timed repetitions after a compile-only warm-up",
-    "split": "TTFT differences of the same model, baselines measured once per length: "
+    "ttft": "prefill start to the first token on the host (last logits ready, argmax), after "
+            "a compile-only warm-up; every mode and baseline of a length timed interleaved "
+            "(each repetition runs each once); min and median over the repetitions, ratios "
+            "and the split from the min",
+    "split": "TTFT differences of the same model (mins), baselines measured once per length: "
              "indexer = TTFT - TTFT with indexer='window' (each query reads the top_k tokens "
              "before it: the same attention, no selection scoring); attention = that window "
              "baseline - the window baseline with top_k = 1 (dense: TTFT - the top_k = 1 "
@@ -111,53 +120,68 @@ def summary(run, rows):
     if ref.get("decode_step_ms") and cmp.get("decode_step_ms"):
         decode = cmp["decode_step_ms"]["median"] / ref["decode_step_ms"]["median"]
     return {"context_len": lengths[0], "reference": run.reference, "compare": run.compare,
-            "ttft_ratio": cmp["ttft_ms"]["median"] / ref["ttft_ms"]["median"],
+            "ttft_ratio": cmp["ttft_ms"]["min"] / ref["ttft_ms"]["min"],
+            "ttft_ratio_median": cmp["ttft_ms"]["median"] / ref["ttft_ms"]["median"],
             "indexer_share_flat": ref["indexer_share"],
             "indexer_share_hierarchical": cmp["indexer_share"],
             "recall": cmp["recall"], "top1_agreement": cmp["top1_agreement"],
             "decode_step_ratio": decode}
 
 
+def _time_length(run, model, tokens, *, progress, log):
+    """Compiles every mode of one length and the baselines of their split, times them
+    interleaved, finishes each -> (ModeRuns by name, every mode's row, reference first)."""
+    length, timers, skipped = len(tokens), {}, {}
+    order = sorted(run.modes, key=lambda m: m.name != run.reference)  # reference first
+    for spec in order:
+        if spec.max_length is not None and length > spec.max_length:
+            skipped[spec.name] = _skipped(length, spec, f"max_length {spec.max_length}")
+            continue
+        if progress:
+            progress(f"{length} tokens, {spec.name}: compiling")
+        try:
+            timers[spec.name] = (spec, *mode_timer(model, spec, tokens, run))
+        except Exception as e:  # noqa: BLE001 - a run that does not fit is reported
+            if not _out_of_memory(e):
+                raise
+            skipped[spec.name] = _skipped(length, spec, f"out of memory: {str(e)[:200]}")
+            log(f"{length:>7} {spec.name:<22} skipped: out of memory")
+    baselines = {}
+    for spec, config, _ in timers.values():
+        for key in baseline_keys(config, spec.sparse):
+            if key not in baselines:
+                if progress:
+                    progress(f"{length} tokens, window baseline (top_k {key[0]}): compiling",
+                             advance=False)
+                baselines[key] = baseline_timer(model, config, tokens, run, key[0])
+    if progress:
+        progress(f"{length} tokens: {len(timers)} modes + {len(baselines)} baselines x "
+                 f"{run.repetitions}, interleaved", advance=False)
+    t0 = time.perf_counter()
+    time_interleaved([t for _, _, t in timers.values()] + list(baselines.values()),
+                     run.repetitions)
+    wall = time.perf_counter() - t0
+    runs = {}
+    for name, (spec, config, timer) in timers.items():
+        runs[name] = finish_mode(spec, config, timer, run, baselines,
+                                 keep_cache=name == run.reference)
+        row = runs[name].row
+        row["wall_s"] = wall / len(timers)  # the interleaved timing, shared
+        t = row["ttft_ms"]
+        log(f"{length:>7} {spec.name:<22} TTFT min {t['min']:9.1f} ms, median "
+            f"{t['median']:9.1f} ms (indexer share {row['indexer_share']:.2f})")
+    return runs, [skipped[m.name] if m.name in skipped else runs[m.name].row for m in order]
+
+
 def run_study(run, model, heldout_tokens, *, random_weights, progress=None, log=print):
-    """-> (rows, summary). progress(description) is called before each step; log(line)
-    after each measured (length, mode)."""
+    """-> (rows, summary). progress(description, advance=True) is called before each step;
+    log(line) after each measured (length, mode)."""
     rows = []
     for length in run.lengths:
         tokens = eval_sequence(heldout_tokens, length)
-        runs, windows = {}, {}
-
-        def baseline_ms(config, top_k, tokens=tokens, windows=windows):
-            key = (top_k, config.prefill_chunk)  # what a baseline's cost depends on
-            if key not in windows:
-                if progress:
-                    progress(f"{len(tokens)} tokens, window baseline (top_k {top_k})",
-                             advance=False)
-                windows[key] = baseline_ttft_ms(model, config, tokens, run, top_k=top_k)
-            return windows[key]
-
-        order = sorted(run.modes, key=lambda m: m.name != run.reference)  # reference first
-        for spec in order:
-            if spec.max_length is not None and length > spec.max_length:
-                rows.append(_skipped(length, spec, f"max_length {spec.max_length}"))
-                continue
-            if progress:
-                progress(f"{length} tokens, {spec.name}")
-            t0 = time.perf_counter()
-            try:
-                runs[spec.name] = measure_mode(model, spec, tokens, run, baseline_ms=baseline_ms,
-                                              keep_cache=spec.name == run.reference)
-            except Exception as e:  # noqa: BLE001 - a run that does not fit is reported
-                if not _out_of_memory(e):
-                    raise
-                rows.append(_skipped(length, spec, f"out of memory: {str(e)[:200]}"))
-                log(f"{length:>7} {spec.name:<22} skipped: out of memory")
-                continue
-            row = runs[spec.name].row
-            row["wall_s"] = time.perf_counter() - t0
-            rows.append(row)
-            log(f"{length:>7} {spec.name:<22} TTFT {row['ttft_ms']['median']:9.1f} ms "
-                f"(indexer share {row['indexer_share']:.2f}) [{row['wall_s']:.0f} s]")
+        runs, length_rows = _time_length(run, model, tokens, progress=progress, log=log)
         compare(run, runs, model.config, random_weights)
+        rows += length_rows
         del runs
     return rows, summary(run, rows)
 
