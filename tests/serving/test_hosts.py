@@ -18,7 +18,8 @@ from tests.serving.conftest import test_config
 from tests.serving.test_scheduler import FakeEngine, collect
 from tests.sharding.test_sharding import _free_port
 
-LIMIT = 0.5
+LIMIT = 0.3  # loss tests: how soon a silent peer is lost
+HEALTHY_LIMIT = 1.0  # the no-loss test: room for a loaded machine's thread scheduling
 
 
 class Losses:
@@ -30,10 +31,10 @@ class Losses:
         self.event.set()
 
 
-def _leader(followers=1):
+def _leader(followers=1, limit=LIMIT):
     losses = Losses()
     port = _free_port()
-    monitor = HostMonitor.lead(("localhost", port), followers + 1, LIMIT, on_lost=losses)
+    monitor = HostMonitor.lead(("localhost", port), followers + 1, limit, on_lost=losses)
     return monitor, losses, ("localhost", port)
 
 
@@ -51,15 +52,15 @@ def test_heartbeat_address_defaults_to_the_coordinator_port_plus_one():
 
 
 def test_a_healthy_group_is_never_lost_and_stops_with_a_goodbye():
-    leader, leader_losses, address = _leader()
+    leader, leader_losses, address = _leader(limit=HEALTHY_LIMIT)
     follower_losses = Losses()
-    follower = HostMonitor.follow(address, 1, LIMIT, on_lost=follower_losses)
-    time.sleep(4 * LIMIT)  # beats every LIMIT / 5 keep both sides alive
+    follower = HostMonitor.follow(address, 1, HEALTHY_LIMIT, on_lost=follower_losses)
+    time.sleep(2 * HEALTHY_LIMIT)  # beats every limit / 5 keep both sides alive
     assert not leader_losses.seen and not follower_losses.seen
     assert [p.process_id for p in leader.peers] == [1]
     follower.stop()  # as a follower does after process 0's shutdown
     leader.stop()
-    time.sleep(2 * LIMIT)
+    time.sleep(1.5 * HEALTHY_LIMIT)
     assert not leader_losses.seen and not follower_losses.seen
 
 
@@ -67,12 +68,11 @@ def test_a_follower_that_closes_without_goodbye_is_lost_at_once():
     leader, losses, address = _leader()
     sock = _raw_follower(address)
     time.sleep(0.2)  # joined
-    t0 = time.monotonic()
     sock.close()  # what the kernel does for a killed process
-    assert losses.event.wait(5)
-    process_id, reason, when = losses.seen[0]
+    assert losses.event.wait(10)
+    process_id, reason, _ = losses.seen[0]
+    # From the closed connection itself, not from the limit (that reason says "silent").
     assert process_id == 1 and "closed without a goodbye" in reason
-    assert when - t0 < LIMIT  # no need to wait for the limit
     assert leader.wait_lost(0) and "process 1" in leader.message()
     leader.stop()
 
@@ -81,10 +81,10 @@ def test_a_silent_follower_is_lost_after_the_limit():
     leader, losses, address = _leader()
     sock = _raw_follower(address)  # connected, then says nothing (a hung host)
     t0 = time.monotonic()
-    assert losses.event.wait(5 * LIMIT)
+    assert losses.event.wait(10)
     process_id, reason, when = losses.seen[0]
     assert process_id == 1 and f"silent for {LIMIT:g} s" in reason
-    assert LIMIT * 0.9 <= when - t0 <= 3 * LIMIT
+    assert LIMIT * 0.9 <= when - t0 <= 10 * LIMIT  # not before the limit; loaded CI machines lag
     assert len(losses.seen) == 1  # once
     sock.close()
     leader.stop()
@@ -97,7 +97,7 @@ def test_a_follower_loses_a_silent_process_zero():
     threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
     losses = Losses()
     HostMonitor.follow(address, 1, LIMIT, on_lost=losses)
-    assert losses.event.wait(5 * LIMIT)
+    assert losses.event.wait(10)
     assert losses.seen[0][0] == 0 and "silent" in losses.seen[0][1]
     server.close()
 
@@ -164,5 +164,5 @@ def test_a_stop_without_goodbye_ends_the_followers():
     HostMonitor.follow(address, 1, LIMIT, on_lost=losses)
     time.sleep(0.2)
     leader.stop(goodbye=False)  # process 0 whose model failed to load
-    assert losses.event.wait(LIMIT / 2)
+    assert losses.event.wait(10)
     assert losses.seen[0][0] == 0 and "without a goodbye" in losses.seen[0][1]
