@@ -50,21 +50,26 @@ def baseline_path(directory, key):
 
 
 def load_baseline(directory, key, method, sequences, log=print):
-    """Per-probe scores of `method` on the first `sequences` sequences, or None (logged why)."""
+    """(scores, n): `method`'s per-probe scores on the first n <= `sequences` sequences the
+    baseline file holds for `key` (sequence i is built from seed and i alone, so a stored
+    prefix is valid for a longer run, which computes only the rest), or (None, 0), logged
+    why."""
     path = baseline_path(directory, key)
     if not path.exists():
-        return None
+        return None, 0
     saved = json.loads(path.read_text())
     differ = [f"{k} {saved['key'].get(k)!r} != {v!r}" for k, v in key.items()
               if saved["key"].get(k) != v]
     entry = saved["methods"].get(method)
-    if differ or entry is None or entry["sequences"] < sequences:
-        why = ", ".join(differ) if differ else (
-            "no such method" if entry is None else
-            f"it holds {entry['sequences']} sequences, {sequences} asked")
+    if differ or entry is None:
+        why = ", ".join(differ) if differ else "no such method"
         log(f"baseline {display_path(path)} not used for {method}: {why}")
-        return None
-    return entry["scores"][:sequences * key["per_sequence"]]
+        return None, 0
+    n = min(entry["sequences"], sequences)
+    if n < sequences:
+        log(f"baseline {display_path(path)} holds {entry['sequences']} sequences of "
+            f"{method}; computing the other {sequences - n}")
+    return entry["scores"][:n * key["per_sequence"]], n
 
 
 def save_baseline(directory, key, method, scores, sequences, *, command, wall_s):

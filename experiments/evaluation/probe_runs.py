@@ -49,21 +49,22 @@ def retrieval(model, tokenizer, text_tokens, L, kind, n_seq, per_sequence, seed,
     per_seq = {}  # method -> [mean token accuracy of each sequence]
     for method in methods:
         t = time.monotonic()
-        scores = None
+        stored, have = None, 0
         if baselines is not None and method in BASELINE_METHODS:
-            scores = load_baseline(baselines[0], baselines[1], method, n_seq, log)
-        source = "computed" if scores is None else "baseline"
-        if scores is None:
+            stored, have = load_baseline(baselines[0], baselines[1], method, n_seq, log)
+        scores = list(stored or [])
+        source = "baseline" if have == n_seq else (
+            f"baseline ({have} sequences) + computed" if have else "computed")
+        if have < n_seq:
             runner = ModelRunner(with_config(model, method_config(model.config, method)))
-            scores = []
-            for seq in seqs:
+            for seq in seqs[have:]:
                 if kind == "needle":
                     scores += score_context(runner, seq, L)
                     continue
                 logits, _ = runner.prefill(seq.tokens, logits_from=seq.query_start)
                 scores += score_probes(logits, seq)
         wall = round(time.monotonic() - t, 1)
-        if source == "computed" and baselines is not None and baselines[2] \
+        if have < n_seq and baselines is not None and baselines[2] \
                 and method in BASELINE_METHODS:
             save_baseline(baselines[0], baselines[1], method, scores, n_seq,
                           command=baselines[3], wall_s=wall)

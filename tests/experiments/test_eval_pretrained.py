@@ -171,6 +171,15 @@ def test_baselines_are_computed_once_and_reused_only_when_they_match(tiny, tmp_p
     assert again["oracle"]["token_vs_dense"] == first["oracle"]["token_vs_dense"]
     saved = json.loads((tmp_path / "copy_256.json").read_text())
     assert saved["key"]["model_sha256"] and saved["methods"]["dense"]["sequences"] == 2
+    # A longer run computes only the sequences the file lacks, and writes them back.
+    args3 = (pre.model, pre.tokenizer, text, 256, "copy", 3, 2)
+    longer = ev.retrieval(*args3, 0, logs.append, ("dense",), (tmp_path, key(), True, "t"))
+    assert longer["dense"]["source"] == "baseline (2 sequences) + computed"
+    fresh = ev.retrieval(*args3, 0, logs.append, ("dense",), None)
+    assert longer["dense"]["scores"] == fresh["dense"]["scores"]
+    saved = json.loads((tmp_path / "copy_256.json").read_text())
+    assert saved["methods"]["dense"]["sequences"] == 3
+    assert saved["methods"]["oracle"]["sequences"] == 2  # untouched
     other = ev.retrieval(*args, 1, logs.append, ("dense",), (tmp_path, key(seed=1), False, ""))
     assert other["dense"]["source"] == "computed" and any("seed 0 != 1" in x for x in logs)
     small = ev.with_config(pre.model, pre.model.config.replace(top_k=16))
