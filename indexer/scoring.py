@@ -45,6 +45,18 @@ def _check_topk(top_k):
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
 
 
+def query_chunks(q, w, q_offset, query_chunk):
+    """q [T, H, d], w [T, H] zero-padded into chunks of min(query_chunk, T) rows ->
+    (q [n, chunk, H, d], w [n, chunk, H], each chunk's first position i32[n])."""
+    T = q.shape[0]
+    chunk = min(query_chunk, T)
+    n_chunks = -(-T // chunk)
+    pad = n_chunks * chunk - T
+    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(n_chunks, chunk, *q.shape[1:])
+    wp = jnp.pad(w, ((0, pad), (0, 0))).reshape(n_chunks, chunk, w.shape[1])
+    return qp, wp, q_offset + chunk * jnp.arange(n_chunks)
+
+
 @functools.partial(jax.jit, static_argnames=("top_k", "query_chunk", "backend"))
 def flat_topk(q, w, k, top_k, *, q_offset=0, query_chunk=DEFAULT_QUERY_CHUNK, backend=None):
     """Exact top_k keys per query by flat index scores -> i32[T, top_k], best first.
@@ -54,12 +66,8 @@ def flat_topk(q, w, k, top_k, *, q_offset=0, query_chunk=DEFAULT_QUERY_CHUNK, ba
     """
     _check_topk(top_k)
     T = q.shape[0]
-    chunk = min(query_chunk, T)
-    n_chunks = -(-T // chunk)
-    pad = n_chunks * chunk - T
-    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(n_chunks, chunk, *q.shape[1:])
-    wp = jnp.pad(w, ((0, pad), (0, 0))).reshape(n_chunks, chunk, w.shape[1])
-    starts = q_offset + chunk * jnp.arange(n_chunks)
+    qp, wp, starts = query_chunks(q, w, q_offset, query_chunk)
+    n_chunks, chunk = qp.shape[:2]
 
     def one_chunk(args):
         qc, wc, start = args

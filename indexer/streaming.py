@@ -22,7 +22,13 @@ import jax
 import jax.numpy as jnp
 
 from indexer.config import STREAMING_KEY_TILE
-from indexer.scoring import DEFAULT_QUERY_CHUNK, _check_topk, index_scores, signless_zeros
+from indexer.scoring import (
+    DEFAULT_QUERY_CHUNK,
+    _check_topk,
+    index_scores,
+    query_chunks,
+    signless_zeros,
+)
 
 FEW_IMPROVEMENTS = 32
 
@@ -74,12 +80,8 @@ def streaming_topk(q, w, k, top_k, *, q_offset=0, key_tile=STREAMING_KEY_TILE,
     if not isinstance(key_tile, int) or key_tile < 1:
         raise ValueError(f"key_tile must be a positive int, got {key_tile!r}")
     T, L = q.shape[0], k.shape[0]
-    chunk = min(query_chunk, T)
-    n_chunks = -(-T // chunk)
-    pad = n_chunks * chunk - T
-    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(n_chunks, chunk, *q.shape[1:])
-    wp = jnp.pad(w, ((0, pad), (0, 0))).reshape(n_chunks, chunk, w.shape[1])
-    starts = q_offset + chunk * jnp.arange(n_chunks)
+    qp, wp, starts = query_chunks(q, w, q_offset, query_chunk)
+    n_chunks, chunk = qp.shape[:2]
     tile = min(key_tile, L)
     n_tiles = -(-L // tile)
     kp = jnp.pad(k, ((0, n_tiles * tile - L), (0, 0)))
