@@ -63,6 +63,10 @@ class MoEConfig(FrozenConfig):
     normalised to sum 1 when norm_topk_prob, times routed_scaling_factor.
     mlp_layer_types: per layer "dense" (the model's SwiGLU of d_ff) or "sparse" (this MoE);
     empty: every layer sparse (transformers' first_k_dense_replace = k is k "dense" first).
+    fp8_block: () keeps the routed experts in the model's dtype; (rows, cols), a released
+    FP8 checkpoint's weight_block_size, keeps them as float8 e4m3 with one float32 scale per
+    block of the checkpoint's [out, in] matrices, dequantized where they are used (a
+    quarter of float32's bytes, half of bf16's; the products still run in the model's dtype).
     """
 
     n_routed_experts: int
@@ -74,6 +78,7 @@ class MoEConfig(FrozenConfig):
     routed_scaling_factor: float = 1.0
     norm_topk_prob: bool = True
     mlp_layer_types: tuple[str, ...] = ()
+    fp8_block: tuple[int, ...] = ()
 
     def __post_init__(self):
         for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -105,6 +110,13 @@ class MoEConfig(FrozenConfig):
             raise ValueError(f"MoEConfig.mlp_layer_types must be a list of {MLP_LAYER_TYPES}, "
                              f"got {types!r}")
         object.__setattr__(self, "mlp_layer_types", tuple(types))
+        block = self.fp8_block
+        if not isinstance(block, (tuple, list)) or (block and (
+                len(block) != 2 or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+                                       for b in block))):
+            raise ValueError(f"MoEConfig.fp8_block must be () or two ints >= 1 (the "
+                             f"checkpoint's weight_block_size), got {block!r}")
+        object.__setattr__(self, "fp8_block", tuple(block))
 
     def layer_is_moe(self, layer):
         return not self.mlp_layer_types or self.mlp_layer_types[layer] == "sparse"

@@ -10,7 +10,7 @@ import numpy as np
 from flax import nnx
 
 from model.cache import bytes_per_token
-from model.sharding import MESH_AXES, param_specs
+from model.sharding import MESH_AXES, mesh_axis_sizes, param_specs
 from model.transformer import Transformer
 
 
@@ -24,7 +24,7 @@ def param_bytes_per_device(config, mesh_shape):
     for x, spec in zip(jax.tree.leaves(state), jax.tree.leaves(
             specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec))):
         n = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-        split = math.prod(sizes[a] for a in spec if a is not None)
+        split = math.prod(mesh_axis_sizes(a, sizes) for a in spec)
         total += n
         per_device += n / split
     return per_device, total
@@ -60,10 +60,12 @@ def check_fits(config, mesh_shape, capacity, device_bytes, *, source="the model"
     total = need["weights_all"]
     devices = math.prod(int(mesh_shape.get(a, 1)) for a in MESH_AXES)
     gb = lambda b: f"{b / 1e9:.1f} GB" if b >= 1e8 else f"{b / 1e6:.2f} MB"  # noqa: E731
+    fp8 = (" with the routed experts in FP8 e4m3" if config.moe is not None
+           and config.moe.fp8_block else "")
     raise ValueError(
         f"{source} does not fit: it needs {gb(need['total'])} per device on mesh "
         f"{dict(mesh_shape)} (weights {gb(need['weights'])} of {gb(total)} in "
-        f"{config.dtype}, KV cache {gb(need['kv_cache'])} and index cache "
+        f"{config.dtype}{fp8}, KV cache {gb(need['kv_cache'])} and index cache "
         f"{gb(need['index_cache'])} at {capacity} tokens, working set "
         f"{gb(need['working_set'])}); each device has {gb(device_bytes)} and the "
         f"{devices} devices {gb(devices * device_bytes)} in all")

@@ -8,13 +8,26 @@ dense path would hold [T, E, F] (~137 GB at 128K tokens for V3.2); this holds [T
 When T x k <= E (decode: one token per sequence, vmapped over serving's slots, where
 ragged_dot has no batching rule) the chosen experts' weights are gathered instead: the same
 weights a decode step must read anyway.
+
+Expert parallelism (a mesh whose expert x tensor group has more than one device, inside
+model.runner's steps): the routed experts split whole over that group
+(model.sharding: "experts" -> ("expert", "tensor")). Every device of the group already
+holds the tokens of its sequence shard (attention's output is whole on each), so routing
+sends nothing: each device runs the assignments that chose its own experts, and one psum
+over the group adds the shares up, the combine an all-to-all would do with the tokens'
+return trip (2 (n - 1) / n x d_model values per token and MoE layer through the
+all-reduce, for a group of n; experiments.costmodel counts it).
 """
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from model import sharding
 from model.layers import SwiGLU
+
+EXPERT_GROUP = ("expert", "tensor")  # the mesh axes the routed experts split over
 
 
 def route(x, weight, bias, moe):
@@ -42,19 +55,30 @@ def route(x, weight, bias, moe):
     return weights * moe.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-def expert_mix(x, weights, experts, gate, up, down):
+def as_stored(*weights):
+    """The identity `unpack`: experts kept in the compute dtype."""
+    return weights
+
+
+def expert_mix(x, weights, experts, stored, unpack=as_stored):
     """sum_j weights[t, j] SwiGLU_{experts[t, j]}(x[t]) -> [T, D], computing only the chosen
-    experts. gate, up: [E, D, F]; down: [E, F, D]."""
+    experts. stored: arrays with a leading expert axis E that unpack(*stored) turns into
+    gate, up [E, D, F] and down [E, F, D] (FP8 and scales, or the weights themselves); in
+    decode unpack runs after the gather, so only the chosen experts are dequantized. An
+    expert id >= E (an expert another device holds) is skipped: its weight must be 0."""
     T, k = experts.shape
-    E = gate.shape[0]
+    E = stored[0].shape[0]
     if T * k <= E:
-        h = (jax.nn.silu(jnp.einsum("td,tkdf->tkf", x, gate[experts]))
-             * jnp.einsum("td,tkdf->tkf", x, up[experts]))
-        y = jnp.einsum("tkf,tkfd->tkd", h, down[experts])
+        ids = jnp.minimum(experts, E - 1).reshape(-1)
+        g, u, d = (w.reshape(T, k, *w.shape[1:]) for w in unpack(*(a[ids] for a in stored)))
+        h = jax.nn.silu(jnp.einsum("td,tkdf->tkf", x, g)) * jnp.einsum("td,tkdf->tkf", x, u)
+        y = jnp.einsum("tkf,tkfd->tkd", h, d)
         return jnp.einsum("tk,tkd->td", weights.astype(y.dtype), y).astype(x.dtype)
+    gate, up, down = unpack(*stored)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k
+    # ids >= E sort last and fall outside every group: ragged_dot leaves their rows zero
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     rows = x[token]
     h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
@@ -63,24 +87,95 @@ def expert_mix(x, weights, experts, gate, up, down):
     return jnp.zeros_like(x).at[token].add(y.astype(x.dtype))
 
 
+E4M3 = jnp.float8_e4m3fn
+
+
+def dequantize(q, scale, block, dtype):
+    """Stacked FP8 experts -> dtype. q: e4m3 [E, A, B], dosa's layout (the checkpoint's
+    [out, in] matrices transposed); scale: f32 [E, ceil(A / block[1]), ceil(B / block[0])],
+    the checkpoint's block scales transposed alike; block: the checkpoint's (rows, cols)."""
+    A, B = q.shape[1:]
+    full = jnp.repeat(jnp.repeat(scale, block[1], axis=1), block[0], axis=2)[:, :A, :B]
+    return (q.astype(jnp.float32) * full).astype(dtype)
+
+
+def scale_shape(shape, block):
+    """The transposed block-scale grid of stacked experts of `shape` [E, A, B]."""
+    E, A, B = shape
+    return (E, -(-A // block[1]), -(-B // block[0]))
+
+
 class MoE(nnx.Module):
     """Router (`router` [E, D], `bias` [E]: e_score_correction_bias), routed experts
-    (`gate`, `up` [E, D, F], `down` [E, F, D]) and the shared experts' SwiGLU."""
+    (`gate`, `up` [E, D, F], `down` [E, F, D]) and the shared experts' SwiGLU. With
+    moe.fp8_block the routed experts are e4m3 beside f32 `gate_scale`, `up_scale`,
+    `down_scale` (model.moe.dequantize), dequantized on the devices that hold them."""
 
     def __init__(self, d_model, moe, *, rngs, dtype=jnp.float32):
         E, F = moe.n_routed_experts, moe.moe_intermediate_size
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
-        self.moe = moe
+        self.moe, self.dtype = moe, dtype
         self.router = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (E, d_model),
                                                                  jnp.float32))
         self.bias = nnx.Param(jnp.zeros((E,), jnp.float32))
-        self.gate = nnx.Param(init(rngs.params(), (E, d_model, F), dtype))
-        self.up = nnx.Param(init(rngs.params(), (E, d_model, F), dtype))
-        self.down = nnx.Param(init(rngs.params(), (E, F, d_model), dtype))
+        shapes = {"gate": (E, d_model, F), "up": (E, d_model, F), "down": (E, F, d_model)}
+        for name, shape in shapes.items():
+            w = init(rngs.params(), shape, jnp.float32 if moe.fp8_block else dtype)
+            if moe.fp8_block:  # random weights in the released layout: 1 per block
+                setattr(self, name, nnx.Param(w.astype(E4M3)))
+                setattr(self, f"{name}_scale",
+                        nnx.Param(jnp.ones(scale_shape(shape, moe.fp8_block), jnp.float32)))
+            else:
+                setattr(self, name, nnx.Param(w))
         self.shared = (SwiGLU(d_model, F * moe.n_shared_experts, rngs=rngs, dtype=dtype)
                        if moe.n_shared_experts else None)
 
+    def expert_weights(self):
+        """(the routed experts' arrays as stored, unpack: them -> gate, up, down in the
+        compute dtype), for model.moe.expert_mix."""
+        names = ("gate", "up", "down")
+        stored = tuple(getattr(self, n)[...] for n in names)
+        if not self.moe.fp8_block:
+            return stored, as_stored
+        block, dtype = self.moe.fp8_block, self.dtype
+        return stored + tuple(getattr(self, f"{n}_scale")[...] for n in names), \
+            lambda g, u, d, sg, su, sd: tuple(dequantize(q, s, block, dtype)
+                                              for q, s in ((g, sg), (u, su), (d, sd)))
+
     def __call__(self, x):
-        weights, experts = route(x, self.router[...], self.bias[...], self.moe)
-        out = expert_mix(x, weights, experts, self.gate[...], self.up[...], self.down[...])
-        return out if self.shared is None else out + self.shared(x)
+        mesh = sharding.current_mesh()
+        group = 1 if mesh is None else sharding.mesh_axis_sizes(EXPERT_GROUP, mesh.shape)
+        stored, unpack = self.expert_weights()
+        routed = (expert_parallel_mix if group > 1 else local_mix)(
+            x, self.router[...], self.bias[...], stored, unpack, self.moe, mesh)
+        return routed if self.shared is None else routed + self.shared(x)
+
+
+def local_mix(x, router, bias, stored, unpack, moe, mesh=None):
+    """The routed experts' output on one device (or under GSPMD): route, then mix.
+    stored: the experts' arrays as kept; unpack(*stored) -> (gate, up, down)."""
+    weights, experts = route(x, router, bias, moe)
+    return expert_mix(x, weights, experts, stored, unpack)
+
+
+def expert_parallel_mix(x, router, bias, stored, unpack, moe, mesh):
+    """local_mix with the experts split over the mesh's EXPERT_GROUP (module docstring):
+    each device mixes the assignments of its own experts, a psum over the group adds them.
+    Tokens stay split over "sequence" where the chunk divides."""
+    S = sharding.axis_size(mesh, "sequence")
+    rows = P("sequence" if S > 1 and x.shape[0] % S == 0 else None, None)
+    experts_spec = P(EXPERT_GROUP, None, None)
+
+    def body(x, router, bias, *stored):  # stored: this device's experts only
+        weights, experts = route(x, router, bias, moe)
+        n_local = stored[0].shape[0]
+        local = experts - jax.lax.axis_index(EXPERT_GROUP) * n_local
+        mine = (local >= 0) & (local < n_local)
+        out = expert_mix(x, jnp.where(mine, weights, 0.0), jnp.where(mine, local, n_local),
+                         stored, unpack)
+        return jax.lax.psum(out, EXPERT_GROUP)
+
+    fn = sharding.shard_map(body, mesh=mesh,
+                            in_specs=(rows, P(), P()) + (experts_spec,) * len(stored),
+                            out_specs=rows, check_vma=False)
+    return fn(x, router, bias, *stored)

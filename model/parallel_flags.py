@@ -3,11 +3,14 @@ validates them before JAX starts (model.sharding builds meshes from them)."""
 
 import re
 
-MESH_AXES = ("data", "sequence", "tensor")
+# "expert" splits the routed experts of a DeepSeekMoE (with "tensor": model.moe); it is
+# listed before "tensor" so that a tensor group is the innermost, fastest-linked devices.
+MESH_AXES = ("data", "sequence", "expert", "tensor")
 
 
 def parse_mesh(text):
-    """'sequence=4,tensor=2' -> {"data": 1, "sequence": 4, "tensor": 2} (missing axes: 1).
+    """'sequence=4,tensor=2' -> {"data": 1, "sequence": 4, "expert": 1, "tensor": 2}
+    (missing axes: 1).
     ValueError naming --mesh on a malformed string, an unknown axis or a size < 1."""
     sizes = dict.fromkeys(MESH_AXES, 1)
     if not isinstance(text, str) or not text.strip():

@@ -53,9 +53,12 @@ def _step(state, tokens, cache, start, kv_len, n_valid, all_logits, capture, *, 
     """One prefill chunk or decode step of the model (graphdef, state)."""
     model = nnx.merge(graphdef, state)
     tokens = _constrain_tokens(mesh, tokens)
-    # Rows past n_valid are padding: kept out of the block summaries.
-    out = model(tokens, cache, start, kv_len, n_valid=n_valid, capture=capture,
-                parallel=parallel)
+    # Rows past n_valid are padding: kept out of the block summaries. The mesh is the
+    # step's static argument; modules that split work themselves (model.moe's experts)
+    # read it while this traces.
+    with sharding.use_mesh(mesh):
+        out = model(tokens, cache, start, kv_len, n_valid=n_valid, capture=capture,
+                    parallel=parallel)
     logits, cache = out[0], out[1]
     # Per-layer lists -> arrays with a leading layer axis.
     captured = {kind: jax.tree.map(lambda *xs: jnp.stack(xs), *values)

@@ -28,15 +28,7 @@ from jax.sharding import PartitionSpec as P
 from indexer.selection import selection_kind
 from model.attention import select_tokens
 from model.cache import field_spec
-
-try:  # jax >= 0.7 (the 0.11 GPU hosts and 0.12 here) export it at the top level.
-    _shard_map = jax.shard_map
-except AttributeError:  # pragma: no cover - older jax: the experimental one, check_rep
-    from jax.experimental.shard_map import shard_map as _old_shard_map
-
-    def _shard_map(f, *, mesh, in_specs, out_specs, check_vma=True):
-        return _old_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                              check_rep=check_vma)
+from model.sharding import shard_map as _shard_map
 
 
 def query_split(T, shards, tile=1):

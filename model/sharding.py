@@ -1,8 +1,9 @@
 """Device meshes and logical-axis sharding rules for parameters, caches and activations.
 
-A mesh has three named axes (MESH_AXES): "data" (independent sequences: serving slots),
-"sequence" (positions of one long sequence: its KV cache and a prefill chunk's queries)
-and "tensor" (attention heads and the MLP's hidden dimension). Every array dimension gets
+A mesh has four named axes (MESH_AXES): "data" (independent sequences: serving slots),
+"sequence" (positions of one long sequence: its KV cache and a prefill chunk's queries),
+"expert" (a DeepSeekMoE's routed experts, together with "tensor") and "tensor" (attention
+heads and the MLP's hidden dimension; whole routed experts). Every array dimension gets
 a *logical* name (LOGICAL_AXES); LOGICAL_RULES maps each name to a mesh axis or None
 (replicated). Tensor parallelism is GSPMD: the jitted step of model.runner with
 NamedSharding'd parameters and caches. Sequence parallelism adds one hook inside the
@@ -31,7 +32,11 @@ LOGICAL_RULES = {
     "heads": "tensor",          # query heads (flattened heads x head_dim in kernels)
     "kv_heads": "tensor",       # key/value heads
     "mlp": "tensor",            # the MLP's hidden dimension d_ff
-    "experts": None,            # routed experts: every device holds all (no expert axis yet)
+    # Routed experts split whole over the expert-parallel group, expert x tensor (the
+    # tensor group that splits attention heads holds different experts: model.moe); an
+    # expert's hidden dimension stays whole.
+    "experts": ("expert", "tensor"),
+    "expert_mlp": None,
     "embed": None,              # d_model
     "vocab": None,
     "head_dim": None,
@@ -50,11 +55,12 @@ PARAM_RULES = (
     (r"attn/(q_a|kv_a)/kernel$", ("embed", "latent")),
     (r"attn/(q_a_norm|kv_a_norm)/scale$", ("latent",)),
     (r"attn/(q_b|kv_b)/kernel$", ("latent", "heads")),
-    # DeepSeekMoE (model/moe.py): the router whole; the routed experts' hidden dimension
-    # split over "tensor" like the dense MLP's, the shared experts as a dense MLP.
+    # DeepSeekMoE (model/moe.py): the router whole; the routed experts split whole over
+    # expert x tensor, the shared experts as a dense MLP.
     (r"mlp/(router|bias)$", None),
-    (r"mlp/(gate|up)$", ("experts", "embed", "mlp")),
-    (r"mlp/down$", ("experts", "mlp", "embed")),
+    (r"mlp/(gate|up)$", ("experts", "embed", "expert_mlp")),
+    (r"mlp/down$", ("experts", "expert_mlp", "embed")),
+    (r"mlp/(gate|up|down)_scale$", ("experts", None, None)),  # FP8 experts' block scales
     (r"mlp/shared/(gate|up)/kernel$", ("embed", "mlp")),
     (r"mlp/shared/down/kernel$", ("mlp", "embed")),
     (r"attn/wq/kernel$", ("embed", "heads")),
@@ -101,11 +107,13 @@ def axis_size(mesh, axis):
 
 
 def check_mesh(config, mesh):
-    """ValueError unless the tensor axis divides n_heads, n_kv_heads, d_ff and the experts'
-    hidden size (mesh: a Mesh or a {axis: size} dict)."""
-    tp = axis_size(mesh, "tensor")
-    names = ["n_heads", "n_kv_heads", "d_ff"] + (["moe.moe_intermediate_size"]
-                                                 if config.moe is not None else [])
+    """ValueError unless the tensor axis divides n_heads, n_kv_heads, d_ff and the shared
+    experts' hidden size, and expert x tensor divides the routed experts (mesh: a Mesh or
+    a {axis: size} dict); an expert axis needs a model with routed experts."""
+    tp, ep = axis_size(mesh, "tensor"), axis_size(mesh, "expert")
+    names = ["n_heads", "n_kv_heads", "d_ff"]
+    if config.moe is not None and config.moe.n_shared_experts:
+        names.append("moe.moe_intermediate_size")
     for name in names:
         value = config
         for part in name.split("."):
@@ -114,6 +122,17 @@ def check_mesh(config, mesh):
             allowed = [d for d in range(1, value + 1) if value % d == 0]
             raise ValueError(f"mesh: tensor={tp} must divide ModelConfig.{name}={value}; "
                              f"allowed tensor sizes: {allowed}")
+    if config.moe is None:
+        if ep > 1:
+            raise ValueError(f"mesh: expert={ep} splits routed experts, and this model has "
+                             "none (ModelConfig.moe is None); use expert=1")
+        return
+    experts = config.moe.n_routed_experts
+    if experts % (ep * tp):
+        allowed = [d for d in range(1, experts + 1) if experts % d == 0]
+        raise ValueError(f"mesh: expert x tensor = {ep} x {tp} must divide "
+                         f"ModelConfig.moe.n_routed_experts={experts} (the routed experts "
+                         f"split whole over both); allowed products: {allowed}")
 
 
 def check_capacity(mesh, capacity):
@@ -191,6 +210,24 @@ def per_device_bytes(tree):
         for shard in x.addressable_shards:
             out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
     return out
+
+
+try:  # jax >= 0.7 (the 0.11 GPU hosts and 0.12 here) export it at the top level.
+    shard_map = jax.shard_map
+except AttributeError:  # pragma: no cover - older jax: the experimental one, check_rep
+    from jax.experimental.shard_map import shard_map as _old_shard_map
+
+    def shard_map(f, *, mesh, in_specs, out_specs, check_vma=True):
+        return _old_shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                              check_rep=check_vma)
+
+
+def mesh_axis_sizes(spec_entry, sizes):
+    """How many shards a PartitionSpec entry (None, an axis, or a tuple of axes) makes."""
+    if spec_entry is None:
+        return 1
+    axes = spec_entry if isinstance(spec_entry, tuple) else (spec_entry,)
+    return int(np.prod([sizes.get(a, 1) for a in axes]))
 
 
 _MESH = []  # the use_mesh stack

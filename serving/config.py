@@ -53,6 +53,8 @@ class ServingConfig(FrozenConfig):
     warmup_max_context: compile prefill and decode buckets up to this length before ready
       (None: max_context; 0: no warm-up).
     api_key: when set, /v1/* and /predict need `Authorization: Bearer <api_key>`.
+    fp8_experts: an FP8 DeepSeek-V3.2 / GLM-5 folder's routed experts stay in FP8 e4m3
+      with their block scales (half of bf16's bytes: what lets V3.2 fit 8 x H200).
     host_timeout_s: several processes: a process of the group that sends no heartbeat for
       this long is lost (serving.hosts; a step may take longer: the heartbeat is not a step).
     heartbeat_port: several processes: process 0's heartbeat port (None: the coordinator's
@@ -85,6 +87,7 @@ class ServingConfig(FrozenConfig):
     gpu_utilization: float = 0.9
     warmup_max_context: int | None = None
     api_key: str | None = None
+    fp8_experts: bool = False
     host_timeout_s: float = 10.0
     heartbeat_port: int | None = None
 
@@ -112,6 +115,8 @@ class ServingConfig(FrozenConfig):
         for name in ("model", "host"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 fail(name, "a non-empty string")
+        if not isinstance(self.fp8_experts, bool):
+            fail("fp8_experts", "true or false")
         for name in ("model_version", "api_key"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

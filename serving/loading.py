@@ -18,19 +18,23 @@ class LoadedModel:
     description: str
 
 
-def load_model(name, overrides=None, *, mesh=None, context=None):
+def load_model(name, overrides=None, *, mesh=None, context=None, fp8_experts=False):
     """-> LoadedModel. name: "default" (checkpoints/small, or $DOSA_CHECKPOINT), "tiny"
     (random UNTRAINED weights, for tests and development), a name in
     model.pretrained.PRETRAINED, or a path (a dosa checkpoint folder, a .gguf file, a Hugging
     Face folder). overrides: ModelConfig run-time switches; a "hierarchical" dict changes
     only the knobs it names. mesh: a DSA checkpoint streams its parameters onto it as it
     loads, after a check that it fits with a cache of `context` tokens
-    (model.pretrained.load_pretrained)."""
+    (model.pretrained.load_pretrained). fp8_experts: an FP8 DSA folder's routed experts
+    stay FP8 (load_pretrained(fp8_experts=True))."""
     import flax.nnx as nnx
 
     import model as dosa_model
     from model.pretrained import ByteTokenizer, load_pretrained
 
+    if fp8_experts and not pathlib.Path(name).is_dir():
+        raise ValueError(f"fp8_experts applies to an FP8 DeepSeek-V3.2 / GLM-5 folder, not "
+                         f"model {name!r}")
     if name in ("default", "small"):
         net, metadata = dosa_model.load_default_model()
         step = metadata.get("step")
@@ -47,7 +51,8 @@ def load_model(name, overrides=None, *, mesh=None, context=None):
         loaded = LoadedModel(net, ByteTokenizer(), pathlib.Path(name).name,
                              f"dosa checkpoint {name}")
     else:
-        pretrained = load_pretrained(name, mesh=mesh, context=context)
+        pretrained = load_pretrained(name, mesh=mesh, context=context,
+                                     fp8_experts=fp8_experts)
         model_id = pretrained.info.get("name") or pathlib.Path(name).stem
         loaded = LoadedModel(pretrained.model, pretrained.tokenizer, model_id,
                              f"pretrained {pretrained.info.get('path')} "
@@ -76,7 +81,7 @@ def build_engine(cfg, mesh=None, *, loader=None):
     t0 = time.perf_counter()
     loaded = (loader() if loader is not None
               else load_model(cfg.model, cfg.model_overrides(), mesh=mesh,
-                              context=cfg.max_context))
+                              context=cfg.max_context, fp8_experts=cfg.fp8_experts))
     model_config = loaded.model.config
     max_context = cfg.max_context
     if max_context > model_config.max_seq_len:

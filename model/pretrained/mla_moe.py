@@ -174,7 +174,7 @@ def tensor_map(config):
     return out
 
 
-def build_dsa_transformer(config, read_tensor, *, source, names, mesh=None):
+def build_dsa_transformer(config, read_tensor, *, source, names, mesh=None, read_fp8=None):
     """A Transformer for `config` with every weight from read_tensor(name) (float32 numpy,
     released names; `names`: the tensors the files hold), streamed: the model is created
     abstractly (shapes only), then each parameter is read, converted and placed, on one
@@ -182,7 +182,9 @@ def build_dsa_transformer(config, read_tensor, *, source, names, mesh=None):
     receives its slice), so the host holds about one parameter at a time (a layer's routed
     experts are stacked first: [E, D, F]). PretrainedFormatError naming `source` and the
     tensor for a missing, misshapen or non-finite one. Tensors past the model (the
-    multi-token-prediction layer) are never read."""
+    multi-token-prediction layer) are never read. With config.moe.fp8_block the routed
+    experts are read as stored, read_fp8(name) -> (e4m3, block scales, block), and kept so
+    (model.moe: transposed like the weights)."""
     from model import sharding
 
     wanted = tensor_map(config)
@@ -207,8 +209,12 @@ def build_dsa_transformer(config, read_tensor, *, source, names, mesh=None):
     by_param = {}  # parameter path -> its tensors (one, or one per expert)
     for name, (path, transpose, expert, shape) in wanted.items():
         by_param.setdefault(tuple(path), []).append((name, transpose, expert, shape))
+    fp8_block = config.moe.fp8_block if config.moe is not None else ()
     for path, tensors in by_param.items():
         stacked = None
+        if fp8_block and tensors[0][2] is not None:  # routed experts kept in FP8
+            place_fp8_experts(path, tensors, read_fp8, fp8_block, flat, place, source)
+            continue
         for name, transpose, expert, shape in tensors:
             array = np.asarray(read_tensor(name), np.float32)
             if array.shape != shape:
@@ -229,3 +235,24 @@ def build_dsa_transformer(config, read_tensor, *, source, names, mesh=None):
     for path in [p for p in flat if "coarse_screen" in p]:
         place(path, screen[path[-1]].get_value())
     return nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())))
+
+
+def place_fp8_experts(path, tensors, read_fp8, block, flat, place, source):
+    """Stacks one layer's routed experts of one projection as stored (e4m3, and their
+    scales beside them at path + "_scale"), transposed into dosa's layout."""
+    scale_path = (*path[:-1], path[-1] + "_scale")
+    q_all = np.empty(flat[path].shape, flat[path].dtype)
+    s_all = np.empty(flat[scale_path].shape, np.float32)
+    for name, _, expert, shape in tensors:
+        q, scale, file_block = read_fp8(name)
+        if q.shape != shape:
+            raise PretrainedFormatError(f"{source}: tensor {name} has shape {q.shape}, the "
+                                        f"config needs {shape}")
+        if tuple(file_block) != tuple(block):
+            raise PretrainedFormatError(f"{source}: tensor {name} has blocks of {file_block}, "
+                                        f"the config keeps {block}")
+        if not np.all(np.isfinite(scale)):
+            raise PretrainedFormatError(f"{source}: tensor {name}'s scales are not finite")
+        q_all[expert], s_all[expert] = q.T, scale.T
+    place(path, q_all)
+    place(scale_path, s_all)

@@ -17,6 +17,7 @@ import zipfile
 
 from model.checkpoint import attach_coarse_screen
 from model.memory import check_fits, device_memory_bytes
+from model.pretrained.fp8 import block_size as fp8_block_size
 from model.pretrained.gguf_file import GGUFCheckpoint
 from model.pretrained.indexer_weights import (
     has_indexer_weights,
@@ -149,7 +150,7 @@ def default_indexer_dir(name):
 
 
 def load_pretrained(name_or_path, *, dtype=None, indexer_dir="default", seed=0, mesh=None,
-                    context=None, device_memory=None, **overrides):
+                    context=None, device_memory=None, fp8_experts=False, **overrides):
     """A pretrained model as a dosa Transformer -> Pretrained(model, tokenizer, info): a
     Llama-family checkpoint with a DSA indexer retrofitted by dosa, or a DeepSeek-style DSA
     checkpoint (DeepSeek-V3.2, GLM-5: a Hugging Face folder, its own trained indexers).
@@ -166,7 +167,9 @@ def load_pretrained(name_or_path, *, dtype=None, indexer_dir="default", seed=0, 
     first checked to fit (model.memory.check_fits: weights per device, its cache at
     `context` tokens (default max_seq_len), a prefill's working set) against device_memory
     bytes per device (default: what the accelerator reports; the CPU reports none, so no
-    check): ValueError with the figures, before any weight is read.
+    check): ValueError with the figures, before any weight is read. fp8_experts: an FP8
+    DSA checkpoint's routed experts (nearly all of its weights) stay in e4m3 with their
+    block scales, dequantized where they are used (model.moe; half of bf16's bytes).
     """
     named = name_or_path in PRETRAINED
     path = fetch_pretrained(name_or_path) if named else pathlib.Path(name_or_path)
@@ -174,7 +177,10 @@ def load_pretrained(name_or_path, *, dtype=None, indexer_dir="default", seed=0, 
     if getattr(checkpoint, "family", "llama") != "llama":
         return _load_dsa_family(checkpoint, path, dtype=dtype, indexer_dir=indexer_dir,
                                 mesh=mesh, context=context, device_memory=device_memory,
-                                **overrides)
+                                fp8_experts=fp8_experts, **overrides)
+    if fp8_experts:
+        raise ValueError(f"{path}: fp8_experts applies to FP8 DeepSeek-V3.2 / GLM-5 folders "
+                         "(routed experts); this is a Llama-family checkpoint")
     if indexer_dir == "default":
         indexer_dir = default_indexer_dir(name_or_path) if named else None
     if indexer_dir is not None and not has_indexer_weights(indexer_dir):
@@ -210,7 +216,7 @@ def load_pretrained(name_or_path, *, dtype=None, indexer_dir="default", seed=0, 
 
 
 def _load_dsa_family(checkpoint, path, *, dtype, indexer_dir, mesh=None, context=None,
-                     device_memory=None, **overrides):
+                     device_memory=None, fp8_experts=False, **overrides):
     """A DeepSeek-V3.2 / GLM-5 Hugging Face folder: its config, weights (trained indexers
     included) and tokenizer (model.pretrained.mla_moe)."""
     if indexer_dir not in ("default", None):
@@ -222,13 +228,20 @@ def _load_dsa_family(checkpoint, path, *, dtype, indexer_dir, mesh=None, context
         dtype = ("bfloat16" if checkpoint.config.get("quantization_config")
                  else stored if stored in ("float32", "bfloat16") else "bfloat16")
     config = dsa_config(checkpoint.config, family, source=path, dtype=dtype, **overrides)
+    if fp8_experts:
+        block = fp8_block_size(checkpoint.config, path / "config.json")
+        if block is None:
+            raise ValueError(f"{path}: fp8_experts=True needs an FP8 checkpoint (config.json "
+                             "has no quantization_config)")
+        config = config.replace(moe=config.moe.replace(fp8_block=block))
     device_memory = device_memory if device_memory is not None else device_memory_bytes()
     if device_memory:
         shape = dict(mesh.shape) if mesh is not None else {}
         check_fits(config, shape, min(context or config.max_seq_len, config.max_seq_len),
                    device_memory, source=path)
     model = build_dsa_transformer(config, checkpoint.read, source=path,
-                                  names=checkpoint.names, mesh=mesh)
+                                  names=checkpoint.names, mesh=mesh,
+                                  read_fp8=checkpoint.read_fp8)
     info = dict(name=None, path=str(path), format="safetensors", family=family.model_type,
                 indexer="checkpoint", chat=family.chat)
     return Pretrained(model, checkpoint.tokenizer(), info)

@@ -112,6 +112,26 @@ class SafetensorsCheckpoint:
     def read(self, name):
         """Tensor `name` as float32 (FP8 e4m3 weights dequantized with their block scales,
         model.pretrained.fp8)."""
+        q = self._read_stored(name)
+        if q.dtype not in fp8.RAW_DTYPES.values():
+            return q
+        _, scale, block = self._scales(name, q)
+        try:
+            return fp8.dequantize(q, scale, block)
+        except ValueError as e:
+            raise PretrainedFormatError(f"{self.index[name]}: tensor {name}: {e}") from e
+
+    def read_fp8(self, name):
+        """An FP8 tensor as stored -> (e4m3 [R, C], f32 block scales, (b_rows, b_cols));
+        PretrainedFormatError naming the tensor when it is not FP8 or its scales do not
+        cover it."""
+        q = self._read_stored(name)
+        if q.dtype not in fp8.RAW_DTYPES.values():
+            raise PretrainedFormatError(f"{self.index[name]}: tensor {name} is {q.dtype}, not "
+                                        "FP8: only an FP8 checkpoint's experts stay in FP8")
+        return self._scales(name, q)
+
+    def _read_stored(self, name):
         file = self.index.get(name)
         if file is None:
             raise PretrainedFormatError(f"{self.path}: tensor {name} is missing: it is in none "
@@ -123,19 +143,25 @@ class SafetensorsCheckpoint:
 
                 with safe_open(str(file), framework="numpy") as handle:
                     return np.asarray(handle.get_tensor(name), np.float32)
-            q = fp8.read_raw(file, header[name], data_start)
+            return fp8.read_raw(file, header[name], data_start)
         except Exception as e:
             raise PretrainedFormatError(f"{file}: tensor {name} cannot be read: "
                                         f"{type(e).__name__}: {e}") from e
+
+    def _scales(self, name, q):
+        file = self.index[name]
         block = fp8.block_size(self.config, self.path / "config.json")
         scale = name + fp8.SCALE_SUFFIX
         if block is None or scale not in self.index:
-            raise PretrainedFormatError(f"{file}: tensor {name} is {header[name][0]} but the "
+            raise PretrainedFormatError(f"{file}: tensor {name} is {q.dtype} but the "
                                         f"folder has no {scale} / fp8 quantization_config")
-        try:
-            return fp8.dequantize(q, self.read(scale), block)
-        except ValueError as e:
-            raise PretrainedFormatError(f"{file}: tensor {name}: {e}") from e
+        scale_inv = self.read(scale)
+        want = tuple(-(-n // b) for n, b in zip(q.shape, block))
+        if tuple(scale_inv.shape) != want:
+            raise PretrainedFormatError(
+                f"{file}: tensor {name}: scale_inv has shape {tuple(scale_inv.shape)}, a "
+                f"{list(q.shape)} matrix in blocks of {block} needs {want}")
+        return q, scale_inv, block
 
     def _header(self, file):
         if file not in self._headers:

@@ -77,3 +77,39 @@ def test_a_scale_grid_that_does_not_fit_names_the_tensor(tmp_path):
     with pytest.raises(PretrainedFormatError, match=r"tensor model\.layers\.\d+\..*weight: "
                                                     r"scale_inv has shape"):
         load_pretrained(tmp_path)
+
+
+def test_fp8_experts_stay_fp8_and_match_the_dequantized_model():
+    """load_pretrained(fp8_experts=True): the routed experts are the file's e4m3 bytes and
+    scales (transposed into dosa's layout), the model's logits those of the model whose
+    experts were dequantized on load (float32 compute, so only the summation order of the
+    dequantization differs), and their bytes a quarter of float32's."""
+    from flax import nnx
+
+    from model import ModelRunner
+
+    kept = load_pretrained(FP8, dtype="float32", fp8_experts=True).model
+    whole = load_pretrained(FP8, dtype="float32").model
+    raw = {}
+    for f in SafetensorsCheckpoint(FP8).files:
+        raw.update(_raw_tensors(f))
+    layer = next(i for i, b in enumerate(kept.layers) if hasattr(b.mlp, "gate_scale"))
+    mlp = kept.layers[layer].mlp
+    assert mlp.gate.get_value().dtype == ml_dtypes.float8_e4m3fn
+    name = f"model.layers.{layer}.mlp.experts.3.down_proj.weight"
+    np.testing.assert_array_equal(np.asarray(mlp.down.get_value()[3]).view(np.uint8),
+                                  raw[name].T.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(mlp.down_scale.get_value()[3]),
+                                  raw[name + SCALE_SUFFIX].T)
+    tokens = np.load(FIXTURES / "deepseek_v32" / "reference.npz")["prompt_2"]
+    got, _ = ModelRunner(kept).prefill(tokens, logits_from=0)
+    want, _ = ModelRunner(whole).prefill(tokens, logits_from=0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+    def expert_bytes(model):
+        return sum(x.nbytes for path, x in nnx.to_flat_state(nnx.state(model))
+                   if path[-1] in ("gate", "up", "down") and "shared" not in path)
+
+    assert 4 * expert_bytes(kept) == expert_bytes(whole)
+    with pytest.raises(ValueError, match="fp8_experts=True needs an FP8 checkpoint"):
+        load_pretrained(FIXTURES / "deepseek_v32", fp8_experts=True)

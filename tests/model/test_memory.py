@@ -58,6 +58,17 @@ def test_deepseek_v32_on_eight_gpus():
                                          r"each device has 80\.0 GB and the 8 devices "
                                          r"640\.0 GB in all"):
         check_fits(config, {"tensor": 8}, 131072, 80e9, source="DeepSeek-V3.2 on 8 x A100")
-    # 8 x H200 (141 GB) do not hold it either while every device keeps every expert's
-    # slice: the replicated embeddings, latents and indexers add 13.5 GB to 1/8 of the rest.
+    # 8 x H200 (141 GB) do not hold it in bf16 either: the replicated embeddings, latents
+    # and indexers add 13.5 GB to 1/8 of the rest.
     assert need["total"] > 141e9 and need["kv_cache"] == 131072 * 61 * 1152
+    # With the routed experts kept in FP8 (load_pretrained(fp8_experts=True)) they do;
+    # 8 x A100 / H100 (80 GB) still do not.
+    fp8 = config.replace(moe=config.moe.replace(fp8_block=(128, 128)))
+    assert check_fits(fp8, {"tensor": 8}, 131072, 141e9)["total"] < 120e9
+    with pytest.raises(ValueError, match=r"needs 116\.1 GB per device on mesh \{'tensor': 8\} "
+                                         r"\(weights 103\.8 GB of 726\.0 GB in bfloat16 with the "
+                                         r"routed experts in FP8 e4m3.*each device has 80\.0 GB"):
+        check_fits(fp8, {"tensor": 8}, 131072, 80e9, source="DeepSeek-V3.2 on 8 x A100")
+    # An expert axis splits only the experts (attention heads split over tensor=2 here).
+    assert memory_per_device(config, {"expert": 4, "tensor": 2}, 131072)["weights"] > \
+        need["weights"]

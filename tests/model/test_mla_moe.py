@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from indexer.config import YarnConfig
 from model.architecture import MoEConfig
@@ -58,7 +59,7 @@ def test_only_the_chosen_experts_equal_every_expert_weighted(T):
     experts = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
     weights = rng.uniform(size=(T, k)).astype(np.float32)
     got = expert_mix(jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts),
-                     jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down))
+                     (jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down)))
     silu = lambda a: a / (1 + np.exp(-a))  # noqa: E731
     want = np.zeros((T, D))
     for t in range(T):
@@ -68,7 +69,7 @@ def test_only_the_chosen_experts_equal_every_expert_weighted(T):
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-4)
     # Batched decode vmaps the feed-forward over serving's slots.
     params = [jnp.asarray(a) for a in (gate, up, down)]
-    vmapped = jax.vmap(lambda xs, ws, es: expert_mix(xs, ws, es, *params))(
+    vmapped = jax.vmap(lambda xs, ws, es: expert_mix(xs, ws, es, tuple(params)))(
         jnp.asarray(x)[:, None], jnp.asarray(weights)[:, None], jnp.asarray(experts)[:, None])
     np.testing.assert_allclose(np.asarray(vmapped)[:, 0], want, rtol=2e-4, atol=2e-4)
 
@@ -91,3 +92,50 @@ def test_yarn_frequencies_and_scales():
     assert YarnConfig(factor=4.0).cos_sin_factor() == pytest.approx(0.1 * np.log(4) + 1)
     with pytest.raises(ValueError, match="YarnConfig.factor must be a positive number"):
         YarnConfig(factor=0)
+
+
+@pytest.mark.parametrize("T", [1, 37])
+def test_fp8_experts_dequantize_where_used_and_foreign_ids_are_skipped(T):
+    """Experts kept as e4m3 + block scales (the checkpoint's [out, in] blocks, transposed
+    as dosa stores them) mix like their dequantized weights; an id >= E (an expert another
+    device holds, weight 0) adds nothing."""
+    from model.moe import MoE, dequantize
+    from model.pretrained.fp8 import dequantize as dequantize_np
+    from model.pretrained.fp8 import quantize
+
+    E, D, F, k, block = 8, 40, 24, 3, (16, 16)  # blocks that do not divide D or F
+    rng = np.random.default_rng(T)
+    x = rng.normal(size=(T, D)).astype(np.float32)
+    dense, stored, scales = [], [], []
+    for shape in ((E, D, F), (E, D, F), (E, F, D)):
+        w = rng.normal(size=shape).astype(np.float32)
+        pairs = [quantize(w[e].T, block) for e in range(E)]  # checkpoint layout [out, in]
+        dense.append(np.stack([dequantize_np(q, s, block).T for q, s in pairs]))
+        stored.append(np.stack([q.T for q, _ in pairs]))
+        scales.append(np.stack([s.T for _, s in pairs]))
+    experts = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
+    weights = rng.uniform(size=(T, k)).astype(np.float32)
+    unpack = lambda g, u, d, sg, su, sd: tuple(  # noqa: E731
+        dequantize(q, s, block, jnp.float32) for q, s in ((g, sg), (u, su), (d, sd)))
+    got = expert_mix(jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts),
+                     tuple(jnp.asarray(a) for a in stored + scales), unpack)
+    want = expert_mix(jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts),
+                      tuple(jnp.asarray(a) for a in dense))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # The first choice of every token lives elsewhere: weight 0, id E.
+    foreign = experts.copy()
+    foreign[:, 0] = E
+    kept = weights.copy()
+    kept[:, 0] = 0.0
+    got = expert_mix(jnp.asarray(x), jnp.asarray(kept), jnp.asarray(foreign),
+                     tuple(jnp.asarray(a) for a in dense))
+    want = expert_mix(jnp.asarray(x), jnp.asarray(weights[:, 1:]), jnp.asarray(experts[:, 1:]),
+                      tuple(jnp.asarray(a) for a in dense))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # The module keeps e4m3 and its scale grids.
+    module = nnx.eval_shape(lambda: MoE(D, MoEConfig(n_routed_experts=E, num_experts_per_tok=k,
+                                                      moe_intermediate_size=F,
+                                                      fp8_block=block), rngs=nnx.Rngs(0)))
+    assert module.gate.get_value().dtype == jnp.float8_e4m3fn
+    assert module.gate_scale.get_value().shape == (E, 3, 2)
+    assert module.down_scale.get_value().shape == (E, 2, 3)

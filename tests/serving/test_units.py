@@ -1,6 +1,8 @@
 """Pure parts of serving: the config, the prefix cache's LRU, incremental text with stop
 strings, and the indexer-share estimate."""
 
+import pathlib
+
 import pytest
 
 import model
@@ -38,6 +40,7 @@ def test_default_config_loads_with_the_reference_key_spellings():
     ({"cache_size": True}, "cache_size must be an integer"),
     ({"queue_sise": 3}, "unknown ServingConfig fields ['queue_sise']"),
     ({"TOP_K": 8, "top_k": 16}, "'top_k' is given twice"),
+    ({"fp8_experts": "yes"}, "fp8_experts must be true or false"),
 ])
 def test_bad_config_values_name_the_key_and_the_range(data, says):
     with pytest.raises(ValueError) as e:
@@ -135,3 +138,16 @@ def test_indexer_share_estimate_grows_with_context_and_falls_with_hierarchy():
     # A cached prefix leaves a short prefill that still scores every earlier key.
     assert indexer_prefill_share(small, 65000, 536) > indexer_prefill_share(small, 0, 536)
     assert [context_bucket(n) for n in (1, 256, 257, 5000)] == ["256", "256", "512", "8192"]
+
+
+def test_fp8_experts_config_keeps_an_fp8_folders_experts_in_fp8():
+    import jax.numpy as jnp
+
+    from serving.loading import load_model
+
+    folder = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "dsa" / "deepseek_v32_fp8"
+    loaded = load_model(str(folder), fp8_experts=True)
+    moe = [b.mlp for b in loaded.model.layers if hasattr(b.mlp, "gate_scale")]
+    assert moe and all(m.gate.get_value().dtype == jnp.float8_e4m3fn for m in moe)
+    with pytest.raises(ValueError, match="fp8_experts applies to an FP8 DeepSeek-V3.2"):
+        load_model("tiny", fp8_experts=True)

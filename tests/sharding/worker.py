@@ -5,8 +5,9 @@ starts); prints one JSON line. Modes:
         sharded vs single-device prefill + decode (experiments.benchmarks.sharded.compare);
         TYPES: the tiny model's indexer_types as a pattern (e.g. FS); INDEXER "fixture:F":
         the DSA family fixture F (tests/fixtures/dsa/F) on its own third prompt
-    python -m tests.sharding.worker streamed FAMILY MESH
+    python -m tests.sharding.worker streamed FAMILY[+fp8_experts] MESH
         a DSA fixture loaded straight onto MESH (load_pretrained(mesh=)) vs one device
+        (+fp8_experts: the FP8 fixture's experts kept in FP8 on both)
     python -m tests.sharding.worker process ADDRESS NUM_PROCESSES PROCESS_ID MESH
         one process of a jax.distributed job: sharded prefill vs this process's own
         single-device prefill
@@ -86,14 +87,17 @@ def streamed(family, mesh_text):
     from model.pretrained import load_pretrained
     from model.sharding import make_mesh
 
+    # "FOLDER+fp8_experts": an FP8 fixture whose routed experts stay FP8 on the mesh
+    family, _, keep = family.partition("+")
+    options = {"fp8_experts": True, "dtype": "float32"} if keep == "fp8_experts" else {}
     mesh = make_mesh(mesh_text)
-    on_mesh = load_pretrained(FIXTURES / family, mesh=mesh).model
+    on_mesh = load_pretrained(FIXTURES / family, mesh=mesh, **options).model
     state = nnx.state(on_mesh)
     placed = shardings_follow_rules(state, [])  # the loader placed them, not the runner
     on_mesh_devices = {d.id for x in jax.tree.leaves(state) for d in x.sharding.device_set}
-    tokens = _tokens(f"fixture:{family}")
+    tokens = _tokens(f"fixture:{family.removesuffix('_fp8')}")
     got, _ = ModelRunner(on_mesh, mesh=mesh).prefill(tokens)
-    want, _ = ModelRunner(load_pretrained(FIXTURES / family).model).prefill(tokens)
+    want, _ = ModelRunner(load_pretrained(FIXTURES / family, **options).model).prefill(tokens)
     return {"placed_by_rules": bool(placed), "devices": len(on_mesh_devices),
             "max_abs_diff": float(np.max(np.abs(np.asarray(got) - np.asarray(want)))),
             "scale": float(np.max(np.abs(np.asarray(want))))}
