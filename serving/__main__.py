@@ -32,6 +32,9 @@ def parse_args(argv):
     parser.add_argument("--host")
     parser.add_argument("--api-key", help="require this Bearer token (default: $DOSA_API_KEY)")
     parser.add_argument("--max-context", type=int, help="override the config's max_context")
+    parser.add_argument("--fp8-experts", action="store_true", default=None,
+                        help="an FP8 DeepSeek-V3.2 / GLM-5 folder: keep its routed experts in "
+                             "FP8 (the config's fp8_experts)")
     add_parallel_arguments(parser)
     return parser.parse_args(argv)
 
@@ -62,7 +65,7 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         config = load_config(args.config, model=args.model, port=args.port, host=args.host,
-                             max_context=args.max_context,
+                             max_context=args.max_context, fp8_experts=args.fp8_experts,
                              api_key=args.api_key or os.environ.get("DOSA_API_KEY") or None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
