@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from collections.abc import Mapping
 
 from indexer.config import FrozenConfig, HierarchicalConfig, YarnConfig
 from indexer.selection import selection_kind
@@ -268,7 +269,35 @@ class ModelConfig(FrozenConfig):
         return json.dumps(self.to_dict(), sort_keys=True)
 
 
-PRESETS = {
+class _Presets(Mapping):
+    """Named ModelConfigs; an entry may be a function that builds it on first use (the
+    full-size DSA presets are built by the checkpoint loader's mapping, which imports
+    JAX: model.dsa_presets)."""
+
+    def __init__(self, entries):
+        self._entries = dict(entries)
+
+    def __getitem__(self, name):
+        value = self._entries[name]
+        if callable(value):
+            value = self._entries[name] = value()
+        return value
+
+    def __iter__(self):
+        return iter(self._entries)
+
+    def __len__(self):
+        return len(self._entries)
+
+
+def _dsa(name):
+    def build():
+        from model.dsa_presets import dsa_preset
+        return dsa_preset(name)
+    return build
+
+
+PRESETS = _Presets({
     # Unit tests: a few ms per step.
     "tiny": ModelConfig(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128,
                         max_seq_len=4096, index_heads=2, index_dim=16, index_rope_dim=8, top_k=16,
@@ -279,15 +308,12 @@ PRESETS = {
                                                         bound_blocks=1)),
     # CPU experiments.
     "small": ModelConfig(),
-    # The real DeepSeek-V3.2 shapes (MLA approximated by GQA: 128 heads of 128 + 64 dims) for
-    # shape checks and cost estimates; never instantiated with weights in tests.
-    "deepseek-v3.2": ModelConfig(vocab_size=129280, d_model=7168, n_layers=61, n_heads=128,
-                                 n_kv_heads=128, head_dim=192, d_ff=18432, max_seq_len=163840,
-                                 index_heads=64, index_dim=128, index_rope_dim=64, top_k=2048,
-                                 prefill_chunk=4096, dtype="bfloat16",
-                                 hierarchical=HierarchicalConfig(candidate_tokens=8192,
-                                                                 fine_batch_size=4096)),
-}
+    # The real architectures, full size (MLA, DeepSeekMoE, their indexers; model/dsa_presets.py
+    # says where each value comes from), bf16: shape checks, cost estimates, random-weight
+    # timing (keep_layers cuts them down). Never instantiated with weights in tests.
+    "deepseek-v3.2": _dsa("deepseek-v3.2"),
+    "glm-5": _dsa("glm-5"),
+})
 
 
 def get_config(name, **overrides):
@@ -295,3 +321,29 @@ def get_config(name, **overrides):
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     return PRESETS[name].replace(**overrides)
+
+
+def keep_layers(config, layers):
+    """`config` with only the layers `layers` (indices, in order) of its stack, each keeping
+    its per-layer kinds: dense or MoE feed-forward (moe.mlp_layer_types), full or shared
+    indexer (indexer_types), its candidate budget, its place in flat_index_layers /
+    dense_layers. E.g. keep_layers(v32, [2, 3, 4, 5]): V3.2's last dense layer and three MoE
+    layers at full width (timing runs). ValueError naming a bad index or a first kept layer
+    that is shared."""
+    layers = list(layers)
+    if not layers or any(isinstance(i, bool) or not isinstance(i, int)
+                         or not 0 <= i < config.n_layers for i in layers):
+        raise ValueError(f"keep_layers: layers must be a non-empty list of indices in "
+                         f"[0, {config.n_layers - 1}], got {layers!r}")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"keep_layers: layers must be distinct, got {layers!r}")
+    pick = lambda values: tuple(values[i] for i in layers) if values else ()  # noqa: E731
+    renumber = lambda kept: tuple(j for j, i in enumerate(layers) if i in kept)  # noqa: E731
+    moe = config.moe
+    if moe is not None and moe.mlp_layer_types:
+        moe = moe.replace(mlp_layer_types=pick(moe.mlp_layer_types))
+    return config.replace(n_layers=len(layers), moe=moe,
+                          indexer_types=pick(config.indexer_types),
+                          layer_candidate_tokens=pick(config.layer_candidate_tokens),
+                          flat_index_layers=renumber(config.flat_index_layers),
+                          dense_layers=renumber(config.dense_layers))
