@@ -13,11 +13,12 @@ experiments.costmodel turns the counts into seconds.
 """
 
 import dataclasses
+import math
 
 from indexer.costs import F32, Op, OpList, Selection, memory_op, visible_keys
 from indexer.selection import selection_kind
 from model.buckets import chunk_plan, length_bucket
-from model.cache import layer_bytes_per_token
+from model.cache import bytes_per_token, layer_bytes_per_token
 
 STAGES = ("other", "indexer", "attention")
 
@@ -26,11 +27,20 @@ def itemsize(config):
     return 2 if config.dtype == "bfloat16" else 4
 
 
+def expert_weight_bytes(config):
+    """Bytes per routed-expert parameter: the model's dtype, or float8 plus one float32
+    scale per block when the experts are kept in FP8 (MoEConfig.fp8_block)."""
+    block = getattr(config.moe, "fp8_block", ()) if config.moe is not None else ()
+    return 1.0 + F32 / (block[0] * block[1]) if block else float(itemsize(config))
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionShape:
     """Main attention as the cost model sees it. kv_row: values per token and kv head read
     by attention (2 x head_dim for separate K and V; MLA's shared latent once). params: the
-    attention projections' parameter count per layer."""
+    attention projections' parameter count per layer. expand_params: parameters applied to
+    every read cache row before attending (MLA's kv_b in the expanded form; 0: none).
+    cache_row: values cached per token (None: kv_heads x kv_row)."""
 
     heads: int
     kv_heads: int
@@ -39,6 +49,12 @@ class AttentionShape:
     kv_row: int
     params: int
     label: str
+    expand_params: int = 0
+    cache_row: int | None = None
+
+    @property
+    def cached(self):
+        return self.kv_heads * self.kv_row if self.cache_row is None else self.cache_row
 
 
 def gqa_attention(config):
@@ -49,6 +65,31 @@ def gqa_attention(config):
     return AttentionShape(c.n_heads, c.n_kv_heads, c.head_dim, c.head_dim, 2 * c.head_dim,
                           params, f"GQA {c.n_heads} heads / {c.n_kv_heads} kv heads x "
                           f"{c.head_dim}")
+
+
+def mla_attention(config):
+    """MLA (model/mla.py) as the config runs it. Projections q_a, q_b, kv_a, kv_b, o (kv_b
+    folded into the queries and the output when absorbed: the same FLOPs per token as its
+    parameters). Absorbed: MQA over the latent, one key of kv_lora_rank + qk_rope_head_dim
+    per token shared by every head, values over the kv_lora_rank dims (576 / 512 for V3.2).
+    Expanded: kv_b turns every read latent row into each head's [k_nope | v] first."""
+    c, m = config, config.mla
+    H, lat = c.n_heads, m.latent_dim
+    kv_b = m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
+    params = (c.d_model * m.q_lora_rank + m.q_lora_rank * H * m.qk_head_dim
+              + c.d_model * lat + kv_b + H * m.v_head_dim * c.d_model)
+    if m.absorb:
+        return AttentionShape(H, 1, lat, m.kv_lora_rank, lat, params,
+                              f"MLA absorbed (MQA over the latent), {H} heads, latent "
+                              f"{m.kv_lora_rank}+{m.qk_rope_head_dim}")
+    return AttentionShape(H, H, m.qk_head_dim, m.v_head_dim, m.qk_head_dim + m.v_head_dim,
+                          params, f"MLA expanded, {H} heads x {m.qk_head_dim}",
+                          expand_params=kv_b, cache_row=lat)
+
+
+def attention_shape(config):
+    """The config's own attention: GQA, or MLA when config.mla is set."""
+    return gqa_attention(config) if config.mla is None else mla_attention(config)
 
 
 def model_selection(config, kind):
@@ -64,44 +105,105 @@ def selection_ops(s, T, p0, kv_len, skip):
 
 def attention_ops(a, T, p0, kv_len, top_k, b, skip):
     """Sparse attention over top_k selected tokens per query, and dense causal attention
-    (stage "dense_attention", for comparison: flash-style, K/V re-read per 128 queries)."""
+    (stage "dense_attention", for comparison: flash-style, K/V re-read per 128 queries).
+    An expanded MLA first expands every read latent row (a.expand_params), in both."""
     entries = visible_keys(p0, T, top_k) if skip else T * top_k
     qo = T * a.heads * (a.qk_dim + a.v_dim) * b
     pairs = visible_keys(p0, T, kv_len) if skip else T * kv_len
     kv = kv_len * a.kv_heads * a.kv_row * b
-    return [Op("attention", "sparse attention", "sparse_attention",
-               flops=2 * a.heads * (a.qk_dim + a.v_dim) * entries, bytes=qo + T * top_k * F32,
-               gather_bytes=entries * a.kv_heads * a.kv_row * b, gather_source=kv),
-            Op("dense_attention", "dense attention", "dense_attention",
-               flops=2 * a.heads * (a.qk_dim + a.v_dim) * pairs,
-               bytes=qo + kv * -(-T // 128))]
+    ops = [Op("attention", "sparse attention", "sparse_attention",
+              flops=2 * a.heads * (a.qk_dim + a.v_dim) * entries, bytes=qo + T * top_k * F32,
+              gather_bytes=entries * a.kv_heads * a.kv_row * b, gather_source=kv),
+           Op("dense_attention", "dense attention", "dense_attention",
+              flops=2 * a.heads * (a.qk_dim + a.v_dim) * pairs,
+              bytes=qo + kv * -(-T // 128))]
+    if a.expand_params:
+        for stage in ("attention", "dense_attention"):
+            ops.append(Op(stage, "expand latent", "matmul", flops=2 * a.expand_params * kv_len,
+                          bytes=kv_len * (a.cached + a.kv_heads * a.kv_row) * b))
+    return ops
 
 
-def _linear(name, params, d_in, d_out, T, b):
+def _linear(name, params, d_in, d_out, T, b, weight_bytes=None):
+    wb = b if weight_bytes is None else weight_bytes
     return Op("other", name, "matmul", flops=2 * params * T,
-              bytes=params * b + T * (d_in + d_out) * b)
+              bytes=params * wb + T * (d_in + d_out) * b)
 
 
-def other_layer_ops(config, a, T, b, *, indexer=True):
-    """Per layer: projections, MLP, norms, RoPE, residuals, cache writes, summary appends.
-    The indexer's projections are here: linear in T, like every projection. indexer=False:
-    a shared layer (indexer_types), which has no indexer and caches no index keys."""
+def indexer_params(config):
+    """The indexer's projection parameters: wq (from the q-LoRA residual under MLA, as V3.2
+    and GLM-5 run it: wq_b), wk and the head weights, all from x otherwise."""
+    c = config
+    q_in = c.d_model if c.mla is None else c.mla.q_lora_rank
+    return q_in * c.index_heads * c.index_dim + c.d_model * (c.index_dim + c.index_heads)
+
+
+def experts_touched(E, k, T):
+    """Expected distinct experts a chunk of T tokens routes to, k of E each (uniform
+    routing): the experts whose weights the chunk reads."""
+    return E * (1.0 - (1.0 - k / E) ** T)
+
+
+def mlp_ops(config, T, b, *, moe=False):
+    """The feed-forward of one layer: the dense SwiGLU, or DeepSeekMoE as model/moe.py
+    runs it (float32 router, the top-k choice, the assignments sorted by expert, the chosen
+    experts through ragged_dot, gathered rows and their weighted scatter-back, the shared
+    experts on every token)."""
+    c = config
+    if not moe:
+        return [_linear("mlp", 3 * c.d_model * c.d_ff, c.d_model, 3 * c.d_ff, T, b)]
+    m, D = c.moe, c.d_model
+    E, k, F = m.n_routed_experts, m.num_experts_per_tok, m.moe_intermediate_size
+    assignments = T * k
+    ops = [Op("other", "router", "matmul", flops=2 * D * E * T,
+              bytes=E * D * F32 + T * D * b + T * E * F32 * 3),
+           Op("other", "expert choice", "topk", rows=T, elements=T * E, k=k),
+           Op("other", "expert dispatch sort", "sort", elements=assignments,
+              sort_work=assignments * math.log2(max(assignments, 2))),
+           Op("other", "routed experts", "matmul", flops=2 * 3 * D * F * assignments,
+              bytes=experts_touched(E, k, T) * 3 * D * F * expert_weight_bytes(c)
+              + assignments * (2 * D + 3 * F) * b),
+           memory_op("other", "expert gather and combine", assignments * D * b * 4
+                     + T * D * b * 2)]
+    if m.n_shared_experts:
+        S = F * m.n_shared_experts
+        ops.append(_linear("shared experts", 3 * D * S, D, 3 * S, T, b))
+    return ops
+
+
+def mlp_hidden(config, layer_moe):
+    """Hidden width of a layer's SwiGLU activations per token (routed + shared for MoE)."""
+    if not layer_moe:
+        return config.d_ff
+    m = config.moe
+    return (m.num_experts_per_tok + m.n_shared_experts) * m.moe_intermediate_size
+
+
+def other_layer_ops(config, a, T, b, *, indexer=True, moe=False):
+    """Per layer: projections, MLP (moe: the MoE), norms, RoPE, residuals, cache writes,
+    summary appends. The indexer's projections are here: linear in T, like every projection.
+    indexer=False: a shared layer (indexer_types), which has no indexer and caches no index
+    keys."""
     c = config
     idx_out = c.index_heads * c.index_dim + c.index_dim + c.index_heads if indexer else 0
     index_dim = c.index_dim if indexer else 0
+    if c.mla is None:
+        rope = 2 * a.heads * a.qk_dim + 2 * a.kv_heads * a.kv_row
+    else:  # the rotary dims of q and the shared key, and the two latent RMSNorms
+        m = c.mla
+        rope = 2 * (a.heads + 1) * m.qk_rope_head_dim + 2 * (m.q_lora_rank + m.kv_lora_rank)
     elementwise = T * b * (2 * 2 * c.d_model  # two RMSNorms, read + write
-                           + 2 * a.heads * a.qk_dim + 2 * a.kv_heads * a.kv_row  # RoPE
+                           + rope
                            + 2 * (c.index_heads + 2) * index_dim  # indexer RoPE, LayerNorm
-                           + 3 * c.d_ff + 2 * 3 * c.d_model)  # SwiGLU, two residuals
+                           + 3 * mlp_hidden(c, moe) + 2 * 3 * c.d_model)  # SwiGLU, residuals
     ops = [_linear("attention projections", a.params, c.d_model,
                    a.heads * (a.qk_dim + a.v_dim), T, b)]
     if indexer:
-        ops.append(_linear("indexer projections", c.d_model * idx_out, c.d_model, idx_out,
-                           T, b))
-    return ops + [_linear("mlp", 3 * c.d_model * c.d_ff, c.d_model, 3 * c.d_ff, T, b),
-                  memory_op("other", "elementwise", elementwise),
-                  memory_op("other", "cache writes", T * (a.kv_heads * a.kv_row + index_dim) * b
-                       + T * index_dim * (F32 * 4 + b))]
+        ops.append(_linear("indexer projections", indexer_params(c), c.d_model, idx_out, T, b))
+    return ops + mlp_ops(c, T, b, moe=moe) + [
+        memory_op("other", "elementwise", elementwise),
+        memory_op("other", "cache writes", T * (a.cached + index_dim) * b
+                  + T * index_dim * (F32 * 4 + b))]
 
 
 def head_ops(config, T, b):
@@ -111,12 +213,14 @@ def head_ops(config, T, b):
 
 
 SHARED = "shared"  # PrefillCounts' key of a layer that reuses another's selection
+MOE = "+moe"  # suffix of the key of a layer whose feed-forward is the MoE
 
 
 @dataclasses.dataclass
 class PrefillCounts:
-    """per_layer[kind]: one layer with that selection kind (or SHARED: no indexer), over the
-    whole prefill; head: the embedding, final norm and lm_head; layers: each layer's key."""
+    """per_layer[key]: one layer of that key over the whole prefill, the key being its
+    selection kind (or SHARED: no indexer), + MOE when its feed-forward is the MoE; head:
+    the embedding, final norm and lm_head; layers: each layer's key."""
 
     per_layer: dict
     head: OpList
@@ -124,9 +228,18 @@ class PrefillCounts:
 
     def total(self):
         out = OpList(self.head)
-        for kind in self.layers:
-            out.extend(self.per_layer[kind])
+        for key in self.layers:
+            out.extend(self.per_layer[key])
         return out
+
+    def layer(self, kind):
+        """One layer with selection `kind`: its MoE form when the model has MoE layers."""
+        return self.per_layer.get(kind + MOE, self.per_layer.get(kind))
+
+
+def layer_key(config, layer, indexer=None):
+    kind = SHARED if config.layer_is_shared(layer) else indexer or config.layer_indexer(layer)
+    return kind + MOE if config.layer_is_moe(layer) else kind
 
 
 def prefill_counts(config, L, *, skip, indexer=None, attention=None, selections=None,
@@ -134,57 +247,99 @@ def prefill_counts(config, L, *, skip, indexer=None, attention=None, selections=
     """Counts of a prefill of L tokens. indexer: a selection kind for every full layer
     (None: the config's per-layer choice, flat_index_layers included; shared layers of
     indexer_types select nothing either way). attention: an AttentionShape (default: the
-    config's GQA). selections: {kind: Selection} overrides. chunks: [model.buckets.Chunk]
-    (default: chunk_plan's chunks of config.prefill_chunk from position 0)."""
-    a = attention or gqa_attention(config)
+    config's own, attention_shape). selections: {kind: Selection} overrides. chunks:
+    [model.buckets.Chunk] (default: chunk_plan's chunks of config.prefill_chunk from 0)."""
+    a = attention or attention_shape(config)
     b = itemsize(config)
-    layers = tuple(SHARED if config.layer_is_shared(i) else indexer or config.layer_indexer(i)
-                   for i in range(config.n_layers))
-    sels = {kind: model_selection(config, kind) for kind in set(layers) - {SHARED}}
+    layers = tuple(layer_key(config, i, indexer) for i in range(config.n_layers))
+    kinds = {key.removesuffix(MOE) for key in layers}
+    sels = {kind: model_selection(config, kind) for kind in kinds - {SHARED}}
     sels.update(selections or {})
+    mlps = {key.endswith(MOE) for key in layers}
+    keys = set(layers) | {kind + (MOE if moe else "") for kind in sels for moe in mlps}
     if chunks is None:
         chunks = chunk_plan(L, start=0, capacity=length_bucket(L), chunk=config.prefill_chunk)
-    per_layer = {kind: OpList() for kind in set(sels) | set(layers)}
+    per_layer = {key: OpList() for key in keys}
     head = OpList()
     for ch in chunks:
         T = ch.padded
         attend = attention_ops(a, T, ch.position, ch.kv_len, config.top_k, b, skip)
-        for kind in per_layer:
-            if kind == SHARED:
-                per_layer[kind].extend(other_layer_ops(config, a, T, b, indexer=False) + attend)
-                continue
-            per_layer[kind].extend(other_layer_ops(config, a, T, b) + attend).extend(
-                selection_ops(sels[kind], T, ch.position, ch.kv_len, skip))
+        for key, ops in per_layer.items():
+            kind, moe = key.removesuffix(MOE), key.endswith(MOE)
+            ops.extend(other_layer_ops(config, a, T, b, indexer=kind != SHARED, moe=moe)
+                       + attend)
+            if kind != SHARED:
+                ops.extend(selection_ops(sels[kind], T, ch.position, ch.kv_len, skip))
         head.extend(head_ops(config, T, b))
     return PrefillCounts(per_layer, head, layers)
 
 
-def parameter_count(config, attention=None):
-    """Weights of the model (with `attention`'s projections in place of the GQA ones)."""
+def _layer_params(config, a, layer, *, active):
+    """Parameters of layer `layer`: norms, attention, indexer, feed-forward (active: the
+    routed experts one token runs, num_experts_per_tok of them, instead of all)."""
     c = config
-    a = attention or gqa_attention(config)
-    indexer = c.d_model * (c.index_heads * c.index_dim + c.index_dim + c.index_heads) \
-        + 2 * c.index_dim
-    full = sum(not c.layer_is_shared(i) for i in range(c.n_layers))
-    layer = 2 * c.d_model + a.params + 3 * c.d_model * c.d_ff
-    return c.n_layers * layer + full * indexer + 2 * c.vocab_size * c.d_model + c.d_model
+    n = 2 * c.d_model + a.params
+    if c.mla is not None:
+        n += c.mla.q_lora_rank + c.mla.kv_lora_rank  # the latents' RMSNorms
+    if not c.layer_is_shared(layer):
+        n += indexer_params(c) + 2 * c.index_dim  # + the key LayerNorm's scale and bias
+    if not c.layer_is_moe(layer):
+        return n + 3 * c.d_model * c.d_ff
+    m = c.moe
+    routed = m.num_experts_per_tok if active else m.n_routed_experts
+    return n + (m.n_routed_experts * (c.d_model + 1)  # router and its bias
+                + 3 * c.d_model * m.moe_intermediate_size * (routed + m.n_shared_experts))
 
 
-def cache_bytes_per_token(config, attention=None):
-    """Bytes per token of a full layer's caches (model.cache): main-attention KV, indexer
-    keys and block summaries; attention: an AttentionShape whose KV rows replace the
-    model's (e.g. MLA's latent)."""
-    per = layer_bytes_per_token(config, 0)
+def parameter_count(config, attention=None, *, active=False, embeddings=True):
+    """nnx.Param count of the model (the coarse screens are not parameters): every expert,
+    or active=True the parameters one token runs through (routed experts: the
+    num_experts_per_tok chosen). embeddings=False leaves out the input embedding table (a
+    lookup, no FLOPs); lm_head stays. attention: projections in place of the config's own."""
+    c = config
+    a = attention or attention_shape(config)
+    # lm_head, plus the embedding table unless it is lm_head too (tied) or left out
+    head = c.vocab_size * c.d_model * (2 if embeddings and not c.tie_embeddings else 1)
+    return (sum(_layer_params(c, a, i, active=active) for i in range(c.n_layers)) + head
+            + c.d_model)
+
+
+def index_key_bytes(config, *, fp8=False):
+    """Bytes of one cached indexer key: index_dim values in the model's dtype, or FP8 as
+    V3.2 stores them (1 byte per value + one float32 scale per 128 values: 132 B for 128)."""
+    if fp8:
+        return config.index_dim + F32 * -(-config.index_dim // 128)
+    return config.index_dim * itemsize(config)
+
+
+def cache_bytes_per_token(config, attention=None, *, index_fp8=False):
+    """Bytes per token of a full layer's caches (model.cache): main-attention KV (MLA: the
+    latent), indexer keys (index_fp8: in FP8, index_key_bytes) and block summaries;
+    attention: an AttentionShape whose cached rows replace the model's."""
+    full = next(i for i in range(config.n_layers) if not config.layer_is_shared(i))
+    per = layer_bytes_per_token(config, full)
     if attention is not None:
-        per["kv"] = attention.kv_heads * attention.kv_row * itemsize(config)
+        per["kv"] = attention.cached * itemsize(config)
+    if index_fp8:
+        per["index_keys"] = index_key_bytes(config, fp8=True)
+    return per
+
+
+def model_cache_bytes_per_token(config, *, index_fp8=False):
+    """cache_bytes_per_token summed over the layers (shared layers hold no index part)."""
+    per = bytes_per_token(config)
+    if index_fp8:
+        full = sum(not config.layer_is_shared(i) for i in range(config.n_layers))
+        per["index_keys"] = full * index_key_bytes(config, fp8=True)
     return per
 
 
 def max_context(memory_bytes, weight_bytes, per_token, n_layers, devices=1):
-    """Longest context `devices` devices hold with weights replicated on each: the KV cache
-    split over the devices (sequence parallel), indexer keys and block summaries on every
-    device (each query scores all earlier keys). per_token: cache_bytes_per_token. Returns
-    0 when the weights alone do not fit; activations and workspace are not counted."""
+    """Longest context `devices` devices hold, weight_bytes on each: the KV cache split over
+    the devices (sequence parallel), indexer keys and block summaries on every device (each
+    query scores all earlier keys). per_token: cache_bytes_per_token (n_layers: how many
+    layers hold it) or model_cache_bytes_per_token (n_layers=1). Returns 0 when the weights
+    alone do not fit; activations and workspace are not counted."""
     free = memory_bytes - weight_bytes
     if free <= 0:
         return 0
