@@ -3,7 +3,7 @@ hierarchical indexer, on a CPU or on datasheet GPUs; validated against committed
 
     python -m experiments.costmodel [--preset small | --checkpoint [DIR]]
         [--lengths 8192,16384,...] [--hardware cpu,a100,h100,h200] [--devices N]
-        [--out DIR] [--no-calibrate]
+        [--out DIR] [--no-calibrate] [--no-dsa]
 
 Stages of a prefill of L tokens, per layer and summed (model.costs):
   other      projections (attention, indexer, MLP: 2 x parameters x tokens), norms, RoPE,
@@ -17,18 +17,21 @@ Seconds (experiments.costmodel.rates): measured rates on "cpu" (this machine, in
 datasheet peaks x efficiencies from results/gpu/pallas_bench_h200.json on GPUs.
 Also: bytes per token of every cache, the longest context a device holds, the validation
 against the committed CPU and H200 measurements (seconds, and flat / hierarchical ratios,
-which do not depend on the machine's speed), and the DeepSeek-V3.2 table
-(experiments.costmodel.validate). Writes OUT/costmodel.json and OUT/costmodel.md (--out,
-default runs/costmodel/). --no-calibrate skips the CPU measurements (about five seconds on
-two shared cores) and with them the "cpu" rows.
+which do not depend on the machine's speed), and the DeepSeek-V3.2 / GLM-5 table in their
+real architectures (experiments.costmodel.dsa). Writes OUT/costmodel.json and
+OUT/costmodel.md (--out, default runs/costmodel/). --no-calibrate skips the CPU
+measurements (about five seconds on two shared cores) and with them the "cpu" rows.
 """
 
 import argparse
 import dataclasses
 import os
 import pathlib
+import shlex
+import sys
 
 from experiments.common import add_out_argument, display_path, machine_description, write_json
+from experiments.costmodel.dsa import dsa_result
 from experiments.costmodel.rates import (
     HARDWARE,
     HARDWARE_CHOICES,
@@ -39,21 +42,21 @@ from experiments.costmodel.rates import (
     measure_cpu_rates,
     predict,
 )
+from experiments.costmodel.sharding import expert_combine_op
 from experiments.costmodel.validate import (
     cpu_prefill_rows,
     cpu_selection_rows,
     h200_rows,
     ratio_rows,
     summary,
-    v32_assumptions,
-    v32_table,
 )
 from model import PRESETS, get_config
 from model.costs import (
     STAGES,
     cache_bytes_per_token,
-    itemsize,
+    index_key_bytes,
     max_context,
+    model_cache_bytes_per_token,
     parameter_count,
     prefill_counts,
 )
@@ -87,6 +90,9 @@ def parse_args(argv):
                    help="GPUs per prefill, sequence parallel (cpu: always 1)")
     p.add_argument("--no-calibrate", action="store_true",
                    help="skip the CPU measurements (drops the cpu predictions and validation)")
+    p.add_argument("--no-dsa", action="store_true",
+                   help="skip the DeepSeek-V3.2 / GLM-5 section (about 30 s of tracing their "
+                        "full-size shapes for the weights per device)")
     add_out_argument(p, NAME)
     args = p.parse_args(argv)
     args.lengths = _int_list(args.lengths, "--lengths", p)
@@ -121,7 +127,7 @@ def count_rows(config, L):
     out = {}
     for kind in ("flat", "hierarchical"):
         counts = prefill_counts(config, L, skip=True, indexer=kind)
-        out[f"layer_{kind}"] = counts.per_layer[kind].totals()
+        out[f"layer_{kind}"] = counts.layer(kind).totals()
         out[f"prefill_{kind}"] = counts.total().totals()
     return out
 
@@ -130,14 +136,16 @@ def predictions(config, lengths, rates_by_hw, devices):
     """Flat and hierarchical prefill predictions per hardware and length (GPUs on
     `devices` devices, the CPU on one)."""
     rows = []
+    full = sum(not config.layer_is_shared(i) for i in range(config.n_layers))
     for hw, rates in rates_by_hw.items():
         n_dev = 1 if hw == "cpu" else devices
         for L in lengths:
             row = {"hardware": hw, "devices": n_dev, "length": L}
             for kind in ("flat", "hierarchical"):
                 counts = prefill_counts(config, L, skip=hw != "cpu", indexer=kind)
-                pred = predict(counts, rates, devices=n_dev, length=L, n_layers=config.n_layers,
-                               index_key_bytes=config.index_dim * itemsize(config))
+                pred = predict(counts, rates, devices=n_dev, length=L, n_layers=full,
+                               index_key_bytes=index_key_bytes(config),
+                               comm=[expert_combine_op(config, L, n_dev)])
                 row[kind] = pred
             row["ttft_ratio"] = row["flat"]["ttft_s"] / row["hierarchical"]["ttft_s"]
             rows.append(row)
@@ -145,17 +153,20 @@ def predictions(config, lengths, rates_by_hw, devices):
 
 
 def capacity(config, rates_by_hw, devices):
-    """Cache bytes per token, weight bytes and the longest context per hardware."""
-    per_token = cache_bytes_per_token(config)
-    weights = parameter_count(config) * itemsize(config)
-    out = {"bytes_per_token_per_layer": per_token,
-           "bytes_per_token": {k: v * config.n_layers for k, v in per_token.items()},
-           "weight_bytes": weights, "max_context_tokens": {}}
+    """Cache bytes per token, weight bytes and the longest context per hardware (weights
+    replicated: model.memory's count of the parameters as dosa creates them)."""
+    from model.memory import param_bytes_per_device
+
+    per_token, summed = cache_bytes_per_token(config), model_cache_bytes_per_token(config)
+    weights = param_bytes_per_device(config, {})[1]
+    out = {"bytes_per_token_per_layer": per_token, "bytes_per_token": summed,
+           "parameters": parameter_count(config), "weight_bytes": weights,
+           "max_context_tokens": {}}
     for hw, rates in rates_by_hw.items():
         mem = rates.memory_bytes
         for n in sorted({1, 1 if hw == "cpu" else devices}):
             out["max_context_tokens"][f"{hw} x{n}"] = (
-                max_context(mem, weights, per_token, config.n_layers, n) if mem else None)
+                max_context(mem, weights, summed, 1, n) if mem else None)
     return out
 
 
@@ -172,7 +183,7 @@ def _fmt_s(x):
 
 def markdown(result):
     s = result["setup"]
-    lines = [f"# Cost model: {s['model']}", "",
+    lines = [f"# Cost model: {s['model']}", "", f"Made by `{s['command']}`.", "",
              f"Stage time: {STAGE_RULE}.", "", "## Counts (causal work, GPU kernels)", "",
              "| L | stage | flat layer GFLOP | flat layer GB | hier layer GFLOP | hier layer GB "
              "| prefill flat GFLOP | prefill hier GFLOP |",
@@ -224,15 +235,8 @@ def markdown(result):
                          f"{summ['min_length']} tokens, median |error| "
                          f"{summ['median_abs_error']:.0%}, max {summ['max_abs_error']:.0%}, "
                          f"{summ['within_30_percent']} within 30%.")
-    lines += ["", "## DeepSeek-V3.2 shapes, sequence parallel", "",
-              "| attention | GPUs | L | flat TTFT | hier TTFT | flat / hier | indexer share flat "
-              "| indexer share hier |", "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in result["deepseek_v32"]["rows"]:
-        lines.append(f"| {r['attention']} | {r['devices']}x {r['hardware']} | {r['length']} | "
-                     f"{_fmt_s(r['flat_ttft_s'])} | {_fmt_s(r['hierarchical_ttft_s'])} | "
-                     f"{r['ttft_ratio']:.2f}x | {r['indexer_share_flat']:.0%} | "
-                     f"{r['indexer_share_hierarchical']:.0%} |")
-    lines += [""] + [f"- {a}" for a in result["deepseek_v32"]["assumptions"]]
+    if result["dsa_models"]:
+        lines += ["", result["dsa_models"]["markdown"]]
     lines += ["", "## Assumptions", ""] + [f"- {a}" for a in result["assumptions"]]
     lines += ["", "## Rates", ""]
     for hw, info in result["hardware"].items():
@@ -286,7 +290,9 @@ def main(argv=None):
         "setup": {"model": name, "config": config.to_dict(), "lengths": args.lengths,
                   "hardware": args.hardware, "devices": args.devices,
                   "calibrated": not args.no_calibrate, "stage_time_rule": STAGE_RULE,
-                  "machine": machine_description()},
+                  "machine": machine_description(),
+                  "command": "python -m experiments.costmodel " + shlex.join(
+                      sys.argv[1:] if argv is None else argv)},
         "hardware": {hw: {**({"datasheet": dataclasses.asdict(HARDWARE[hw])}
                              if hw in HARDWARE else {}),
                           **r.to_dict()} for hw, r in rates.items()},
@@ -298,8 +304,8 @@ def main(argv=None):
                for where in ("cpu", "h200")},
             **{f"{where} ratios": summary([r for r in ratios if r["where"] == where])
                for where in ("cpu", "h200")}}},
-        "deepseek_v32": {"rows": v32_table(calibration),
-                         "assumptions": v32_assumptions(calibration)},
+        "dsa_models": None if args.no_dsa else dsa_result(
+            calibration, HARDWARE["h200"].memory_gb * 1e9),
         "assumptions": assumptions(not args.no_calibrate),
     }
     result["markdown"] = markdown(result)

@@ -377,17 +377,20 @@ def ops_seconds(ops, rates):
     return stages, detail
 
 
-def predict(counts, rates, *, devices=1, index_key_bytes=0.0, length=0, n_layers=0):
+def predict(counts, rates, *, devices=1, index_key_bytes=0.0, length=0, n_layers=0, comm=()):
     """Predicted prefill from counts (model.costs.PrefillCounts): per-stage seconds,
     TTFT (other + indexer + attention), the split and the indexer share. devices > 1:
     sequence parallel with balanced work (each device does 1 / devices of every op) plus
     an all-gather of the indexer keys per layer over the interconnect ((devices - 1) /
-    devices x length x index_key_bytes received per layer), counted in the indexer stage."""
+    devices x length x index_key_bytes received per layer; n_layers: the layers that cache
+    index keys), counted in the indexer stage. comm: more "comm" Ops, bytes per device
+    (e.g. experiments.costmodel.sharding.expert_combine_op), added as they are."""
     ops = counts.total()
     if devices > 1:
         ops = ops.scaled(1.0 / devices)
         ops.add(Op("indexer", "all-gather indexer keys", "comm",
                    bytes=(devices - 1) / devices * length * index_key_bytes * n_layers))
+    ops.extend(comm)
     stages, detail = ops_seconds(ops, rates)
     ttft = sum(stages.get(s, 0.0) for s in ("other", "indexer", "attention"))
     dense = stages.get("other", 0.0) + stages.get("dense_attention", 0.0)

@@ -13,11 +13,15 @@ Per sparse layer and prefill chunk of T query rows on S sequence x TP tensor dev
   f32, each shard keeping T / S rows);
   tensor axis: all-reduce of the attention output and MLP output projections
   (T/S d_model each);
+  expert group (model.moe: the routed experts split over "expert" x "tensor", each device
+  running its own experts' assignments for the T/S rows its group holds): one psum of the
+  routed output per MoE layer (T/S d_model), 2 (n - 1) / n of it on the wire;
   head: all-reduce of the last position's logits (V f32).
 The main job's cost model (experiments.costmodel.rates.predict, devices > 1) counts only the
-indexer-key all-gather; `main` prints both against the compiled HLO of the 8-device run
-and the sequence-parallel scaling of the 1M-token DeepSeek-V3.2 configuration (MLA in MQA
-mode, the README's table), with every collective on the interconnect.
+indexer-key all-gather (and, given them, the expert-parallel combine's bytes:
+expert_combine_op); `main` prints both against the compiled HLO of the 8-device run and the
+sequence-parallel scaling of the 1M-token DeepSeek-V3.2 preset (MLA absorbed, DeepSeekMoE
+with its experts split over the same devices), with every collective on the interconnect.
 """
 
 import argparse
@@ -33,11 +37,10 @@ from experiments.costmodel.rates import (
     ops_seconds,
     predict,
 )
-from experiments.costmodel.validate import mla_attention
 from indexer.costs import F32, Op, OpList
 from model import get_config
 from model.buckets import chunk_plan, length_bucket
-from model.costs import cache_bytes_per_token, itemsize, prefill_counts
+from model.costs import attention_shape, itemsize, model_cache_bytes_per_token, prefill_counts
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 DTYPE_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1,
@@ -60,14 +63,34 @@ def hlo_collectives(text):
     return out
 
 
-def step_collectives(config, T, sequence, tensor, *, attention=None):
+def moe_layers(config):
+    return sum(config.layer_is_moe(i) for i in range(config.n_layers))
+
+
+def expert_combine_bytes(config, tokens, n):
+    """Bytes each device of an expert-parallel group of n sends (and receives) to combine
+    the routed experts' outputs of `tokens` rows over all MoE layers: a ring all-reduce of
+    [tokens, d_model] per layer, 2 (n - 1) / n x d_model x itemsize per row and MoE layer
+    (an all-gather of the rows before and a reduce-scatter after, as an expert group over
+    sequence-split tokens would do, moves the same)."""
+    if n < 2 or config.moe is None:
+        return 0.0
+    return 2 * (n - 1) / n * tokens * config.d_model * itemsize(config) * moe_layers(config)
+
+
+def expert_combine_op(config, tokens, n):
+    """expert_combine_bytes as a "comm" Op of the "other" stage (rates.predict's comm=)."""
+    return Op("other", "expert-parallel combine", "comm",
+              bytes=expert_combine_bytes(config, tokens, n))
+
+
+def step_collectives(config, T, sequence, tensor, *, attention=None, expert=1):
     """Predicted collectives of one prefill chunk step of T query rows: a list of dicts
-    (name, kind, axis, stage, bytes = result size per device, summed over layers)."""
+    (name, kind, axis, stage, bytes = result size per device, summed over layers).
+    expert: the mesh's expert axis (the routed experts split over expert x tensor)."""
     c, b = config, itemsize(config)
-    H, H_kv = (attention.heads, attention.kv_heads) if attention else (c.n_heads, c.n_kv_heads)
-    D = attention.qk_dim if attention else c.head_dim
-    Dv = attention.v_dim if attention else c.head_dim
-    kv_row = attention.kv_row if attention else 2 * c.head_dim
+    a = attention or attention_shape(config)
+    H, H_kv, D, Dv, kv_row = a.heads, a.kv_heads, a.qk_dim, a.v_dim, a.kv_row
     sparse = sum(c.layer_is_sparse(i) for i in range(c.n_layers))
     # Shared layers (indexer_types) run no indexer: only full layers gather keys, and only
     # those whose selection some sparse layer reads select.
@@ -104,7 +127,18 @@ def step_collectives(config, T, sequence, tensor, *, attention=None):
     if tensor > 1:
         add("attention + MLP output projections", "all-reduce", "tensor", "other",
             2 * T / sequence * c.d_model * b, c.n_layers)
+    if c.moe is not None and expert * tensor > 1:
+        rows_held = T / sequence if T % sequence == 0 else T
+        add("expert-parallel combine", "all-reduce", "expert group", "other",
+            rows_held * c.d_model * b, moe_layers(c))
     return rows
+
+
+def axis_devices(axis, sizes):
+    """Devices along a collective's axis; "expert group" is expert x tensor (model.moe)."""
+    if axis == "expert group":
+        return sizes.get("expert", 1) * sizes.get("tensor", 1)
+    return sizes.get(axis, 1)
 
 
 def by_kind(rows):
@@ -136,25 +170,29 @@ def wire_bytes(kind, size, n):
 
 def comm_ops(config, L, sequence, *, attention=None):
     """OpList of the interconnect traffic of a whole prefill of L tokens (sequence parallel,
-    no tensor axis), per device, in the stages they delay."""
+    no tensor axis), per device, in the stages they delay; a MoE model's routed experts
+    split over the same `sequence` devices (its combine: expert_combine_op of every row)."""
     ops = OpList()
     for ch in chunk_plan(L, start=0, capacity=length_bucket(L), chunk=config.prefill_chunk):
         for r in step_collectives(config, ch.padded, sequence, 1, attention=attention):
             ops.add(Op(r["stage"], r["name"], "comm",
                        bytes=wire_bytes(r["kind"], r["bytes"], sequence)))
+    if config.moe is not None and sequence > 1:
+        ops.add(expert_combine_op(config, L, sequence))
     return ops
 
 
-def per_device_cache_bytes(config, L, devices, *, attention=None):
-    """(KV bytes split over devices, indexer keys + block summaries replicated) per device."""
-    per = cache_bytes_per_token(config, attention)
-    return (L * config.n_layers * per["kv"] / devices,
-            L * config.n_layers * (per["index_keys"] + per["block_summaries"]))
+def per_device_cache_bytes(config, L, devices, *, index_fp8=False):
+    """(KV bytes split over devices, indexer keys + block summaries replicated) per device,
+    summed over the layers (shared layers hold no index part)."""
+    per = model_cache_bytes_per_token(config, index_fp8=index_fp8)
+    return L * per["kv"] / devices, L * (per["index_keys"] + per["block_summaries"])
 
 
 def scaling_rows(config, attention, length, devices, hardware, calibration):
     """TTFT and per-device cache memory of a sequence-parallel prefill per device count."""
     rows = []
+    full = sum(not config.layer_is_shared(i) for i in range(config.n_layers))
     counts = {kind: prefill_counts(config, length, skip=True, indexer=kind,
                                    attention=attention) for kind in ("flat", "hierarchical")}
     for hw in hardware:
@@ -168,11 +206,12 @@ def scaling_rows(config, attention, length, devices, hardware, calibration):
                 compute = sum(stages.get(s, 0.0) for s in ("other", "indexer", "attention"))
                 row[f"{kind}_ttft_s"] = compute + comm_s
                 row[f"{kind}_main_model_ttft_s"] = predict(
-                    cnt, rates, devices=n, length=length, n_layers=config.n_layers,
-                    index_key_bytes=config.index_dim * itemsize(config))["ttft_s"]
+                    cnt, rates, devices=n, length=length, n_layers=full,
+                    index_key_bytes=config.index_dim * itemsize(config),
+                    comm=[expert_combine_op(config, length, n)])["ttft_s"]
             row["comm_s"] = comm_s
             row["comm_bytes"] = sum(op.bytes for op in comm)
-            kv, replicated = per_device_cache_bytes(config, length, n, attention=attention)
+            kv, replicated = per_device_cache_bytes(config, length, n)
             row["kv_bytes_per_device"], row["replicated_bytes_per_device"] = kv, replicated
             row["fits"] = kv + replicated <= rates.memory_bytes
             rows.append(row)
@@ -183,7 +222,7 @@ def devices_needed(config, attention, length, hw):
     """Fewest devices whose memory holds the 1M cache (KV split, indexer keys and summaries
     on every device; weights, activations and workspace not counted), or None."""
     mem = gpu_rates(hw, config.dtype, kernel_calibration(KERNEL_JSON)).memory_bytes
-    kv, replicated = per_device_cache_bytes(config, length, 1, attention=attention)
+    kv, replicated = per_device_cache_bytes(config, length, 1)
     if replicated >= mem:
         return None
     return math.ceil(kv / (mem - replicated))
@@ -195,9 +234,11 @@ def check_rows(measured):
     out = []
     for m in measured:
         config = get_config(m["preset"], **m.get("overrides", {}))
-        rows = step_collectives(config, m["rows"], m["sequence"], m["tensor"])
+        rows = step_collectives(config, m["rows"], m["sequence"], m["tensor"],
+                                expert=m.get("expert", 1))
         pred = by_kind(rows)
-        received = sum(wire_bytes(r["kind"], r["bytes"], m[r["axis"]]) for r in rows)
+        received = sum(wire_bytes(r["kind"], r["bytes"], axis_devices(r["axis"], m))
+                       for r in rows)
         out.append({"mesh": m["mesh"], "rows": m["rows"], "measured": m["bytes"],
                     "predicted": pred, "predicted_received_bytes": received,
                     "main_model_bytes": main_model_step_bytes(config, m["rows"], m["sequence"]),
@@ -252,9 +293,13 @@ ASSUMPTIONS = [
     "Communication per device: ring collectives over the interconnect (NVLink: A100 600, "
     "H200 900 GB/s), all-gather (S-1)/S and all-reduce 2 (S-1)/S of the result size; "
     "every collective of step_collectives, not only the indexer keys.",
-    "Memory: the KV cache split over devices, indexer keys and block summaries replicated; "
-    "the 671B MoE weights, activations and workspace are not counted (V3.2's weights need "
-    "tensor/expert parallelism across more devices than the cache alone).",
+    "A MoE model's routed experts are split over the same devices (expert parallel over "
+    "the sequence group): every device combines every row, 2 (n-1)/n x d_model x 2 bytes "
+    "per token and MoE layer ('expert-parallel combine'); the main cost model adds the "
+    "same line.",
+    "Memory: the latent cache split over devices, indexer keys and block summaries "
+    "replicated; weights (experiments.costmodel.dsa: model.memory), activations and "
+    "workspace are not counted here.",
 ]
 
 
@@ -289,7 +334,8 @@ def main(argv=None):
     import json
 
     args = parse_args(argv)
-    config, attention = get_config("deepseek-v3.2"), mla_attention()
+    config = get_config("deepseek-v3.2")
+    attention = attention_shape(config)
     calibration = kernel_calibration(KERNEL_JSON)
     check = []
     if args.measured:

@@ -1,4 +1,4 @@
-"""The cost model against measured points, and its DeepSeek-V3.2 projection.
+"""The cost model against measured points (the DeepSeek-V3.2 / GLM-5 projection: dsa.py).
 
 Validation reproduces every committed measurement the model can express, with the same
 shapes and the same code path as the run that measured it:
@@ -20,15 +20,9 @@ from experiments.common import REPO_ROOT
 from experiments.costmodel.rates import gpu_rates, ops_seconds, predict
 from indexer import HierarchicalConfig
 from indexer.costs import OpList, Selection
-from model import ModelConfig, get_config
+from model import ModelConfig
 from model.buckets import Chunk
-from model.costs import (
-    AttentionShape,
-    attention_ops,
-    gqa_attention,
-    prefill_counts,
-    selection_ops,
-)
+from model.costs import AttentionShape, attention_ops, prefill_counts, selection_ops
 
 PREFILL_JSON = REPO_ROOT / "results" / "bench_prefill_small_sparse.json"
 INDEXER_JSON = REPO_ROOT / "results" / "bench_indexer.json"
@@ -154,87 +148,3 @@ def ratio_rows(rows):
                         "length": L, "predicted": pred, "measured": meas,
                         "error": pred / meas - 1.0})
     return out
-
-
-# ---------------------------------------------------------------------- DeepSeek-V3.2
-
-def mla_attention(d_model=7168, heads=128, q_rank=1536, kv_rank=512, rope=64, nope=128,
-                  v_dim=128):
-    """DeepSeek-V3's MLA (its published config.json: q_lora_rank 1536, kv_lora_rank 512,
-    qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128, 128 heads) run in MQA mode,
-    as V3.2 runs DSA: one shared latent of kv_rank + rope values per token, read once for
-    all heads; scores over kv_rank + rope dims, values over kv_rank dims."""
-    params = (d_model * q_rank + q_rank * heads * (nope + rope) + d_model * (kv_rank + rope)
-              + kv_rank * heads * (nope + v_dim) + heads * v_dim * d_model)
-    return AttentionShape(heads, 1, kv_rank + rope, kv_rank, kv_rank + rope, params,
-                          f"MLA in MQA mode, {heads} heads, latent {kv_rank}+{rope}")
-
-
-V32_LENGTHS = (131072, 262144, 524288, 1048576)
-V32_SETUPS = (("a100", 4), ("h200", 8))
-
-
-def v32_table(calibration, lengths=V32_LENGTHS, setups=V32_SETUPS):
-    """Flat vs hierarchical TTFT of the deepseek-v3.2 preset, sequence parallel, with the
-    preset's GQA stand-in for MLA and with MLA in MQA mode (how V3.2 runs DSA)."""
-    config = get_config("deepseek-v3.2")
-    key_bytes = config.index_dim * 2
-    rows = []
-    for attn in (gqa_attention(config), mla_attention()):
-        for hw, devices in setups:
-            rates = gpu_rates(hw, config.dtype, calibration)
-            for L in lengths:
-                pred = {}
-                for kind in ("flat", "hierarchical"):
-                    counts = prefill_counts(config, L, skip=True, indexer=kind, attention=attn)
-                    pred[kind] = predict(counts, rates, devices=devices, length=L,
-                                         index_key_bytes=key_bytes, n_layers=config.n_layers)
-                f, h = pred["flat"], pred["hierarchical"]
-                rows.append({"attention": attn.label, "hardware": hw, "devices": devices,
-                             "length": L, "flat_ttft_s": f["ttft_s"],
-                             "hierarchical_ttft_s": h["ttft_s"],
-                             "ttft_ratio": f["ttft_s"] / h["ttft_s"],
-                             "indexer_share_flat": f["indexer_share"],
-                             "indexer_share_hierarchical": h["indexer_share"],
-                             "split_flat": f["split"], "split_hierarchical": h["split"]})
-    return rows
-
-
-def v32_assumptions(calibration):
-    config = get_config("deepseek-v3.2")
-    h = config.hierarchical
-    return [
-        f"Shapes: preset deepseek-v3.2 ({config.n_layers} layers, d_model {config.d_model}, "
-        f"indexer H_I={config.index_heads}, d_I={config.index_dim}, top_k={config.top_k}, "
-        f"bf16, prefill chunks of {config.prefill_chunk} with the runner's power-of-two key "
-        f"buckets); hierarchical: blocks of {h.block_size}, {h.candidate_tokens} candidate "
-        f"tokens per query, tiles of {h.query_tile} queries sharing "
-        f"{h.tile_candidate_tokens or 2 * h.candidate_tokens} table tokens, "
-        f"{h.bound_blocks} spread blocks; ranking by lax.top_k (8192 columns exceed the "
-        f"packed sort's 4096).",
-        "MLP: the preset's dense d_ff 18432 = V3.2's active experts (8 routed + 1 shared, "
-        "2048 each), so FLOPs per token match; the 671B MoE weights (and expert "
-        "parallelism) are not modeled, so memory capacity is not checked here.",
-        "Attention, two rows per setup: the preset's GQA stand-in (128 kv heads x 192: each "
-        "query gathers 2048 x 128 x 384 values, memory-bound) and MLA in MQA mode as V3.2 "
-        "runs DSA (one 576-value latent per token shared by all 128 heads; projection "
-        "parameters of V3's config.json).",
-        "Sequence parallel: each device prefills L / devices queries with balanced causal "
-        "work (a zigzag split of query chunks), every query scoring all earlier keys; the "
-        "indexer keys are all-gathered per layer (d_I x 2 bytes, bf16 as dosa stores them; "
-        "V3.2's FP8 keys would halve it) over NVLink (A100 600 GB/s, H200 900 GB/s), not "
-        "overlapped with compute; the main-attention KV exchange is not counted.",
-        f"Rates: datasheet bf16 peaks (A100 312, H200 989 TFLOP/s; no FP8 path in dosa) x the "
-        f"fraction of peak each kernel reached on the H200 at "
-        f"{calibration['calibration_length']} tokens "
-        f"(results/gpu/pallas_bench_h200.json); top-k per element from the same file, scaled "
-        f"by HBM bandwidth (A100 2.0, H200 4.8 TB/s); A100 efficiencies assumed equal to the "
-        f"H200's.",
-        "Sparse attention at the fraction of peak the H200 kernel reached with 16 heads per kv "
-        "head of 128 dims (10%); MQA-mode MLA shares each gathered row across 128 heads and "
-        "would likely run faster, so attention is the pessimistic side. GPU top-k (every one, "
-        "whatever its k) at the per-element cost of the flat top-k (k=2048) measured on the "
-        "H200: pessimistic for the small-k block selections of the hierarchical indexer.",
-        "TTFT = other + indexer + attention of the slowest (here: every) device; compile time, "
-        "kernel launch gaps and host overheads are not modeled.",
-    ]

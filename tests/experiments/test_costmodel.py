@@ -8,8 +8,10 @@ import pytest
 from flax import nnx
 
 from experiments.costmodel import cli as costmodel
+from experiments.costmodel.dsa import capacity, models, ttft_rows
 from experiments.costmodel.rates import gpu_rates, kernel_calibration, op_seconds, predict
-from experiments.costmodel.validate import h200_rows, ratio_rows, v32_table
+from experiments.costmodel.sharding import expert_combine_bytes, step_collectives
+from experiments.costmodel.validate import h200_rows, ratio_rows
 from indexer.costs import Op, OpList, hierarchical_sizes, visible_blocks, visible_keys
 from model import Transformer, get_config
 from model.buckets import chunk_plan
@@ -195,12 +197,49 @@ def test_predict_splits_and_sequence_parallel():
     assert four["stages_s"]["other"] == pytest.approx(one["stages_s"]["other"] / 4)
 
 
-def test_v32_table_rows():
-    rows = v32_table(kernel_calibration(), lengths=(131072,), setups=(("h200", 8),))
-    assert len(rows) == 2  # GQA stand-in and MLA
+def test_dsa_table_rows():
+    rows = ttft_rows(kernel_calibration(), lengths=(131072,),
+                     setups=(("h200", 8), ("h100", 8)))
+    assert [(r["model"], r["hardware"]) for r in rows] == [
+        (m, hw) for m in ("DeepSeek-V3.2", "GLM-5", "GLM-5, shared 1 in 4")
+        for hw in ("h200", "h100")]
     for r in rows:
         assert r["ttft_ratio"] == pytest.approx(r["flat_ttft_s"] / r["hierarchical_ttft_s"])
         assert r["indexer_share_flat"] > r["indexer_share_hierarchical"]
+        # The selection is not split on tensor=8: slower than 8 sequence shards.
+        assert r["tensor_flat_ttft_s"] > r["flat_ttft_s"]
+        assert r["expert_combine_s"] > 0
+    by = {(r["model"], r["hardware"]): r for r in rows}
+    # Same compute peak, less bandwidth: the H100 is slower; shared layers run fewer indexers.
+    assert by["DeepSeek-V3.2", "h100"]["flat_ttft_s"] > by["DeepSeek-V3.2", "h200"]["flat_ttft_s"]
+    assert (by["GLM-5, shared 1 in 4", "h200"]["indexer_share_flat"]
+            < by["GLM-5", "h200"]["indexer_share_flat"])
+
+
+def test_expert_combine_traffic():
+    v32 = get_config("deepseek-v3.2")
+    # A ring all-reduce of [tokens, 7168] bf16 over 8 devices per MoE layer (58 of 61).
+    assert expert_combine_bytes(v32, 1, 8) == 2 * 7 / 8 * 7168 * 2 * 58
+    assert expert_combine_bytes(v32, 1, 1) == 0 and expert_combine_bytes(TINY, 1, 8) == 0
+    # On an expert x tensor group each device combines the rows of its sequence shard.
+    rows = step_collectives(v32, 4096, 2, 1, expert=4)
+    combine = [r for r in rows if r["name"] == "expert-parallel combine"]
+    assert combine == [dict(name="expert-parallel combine", kind="all-reduce",
+                            axis="expert group", stage="other",
+                            bytes=float(2048 * 7168 * 2 * 58))]
+    assert not [r for r in step_collectives(v32, 4096, 2, 1) if r["axis"] == "expert group"]
+
+
+@pytest.mark.slow  # traces the two full-size models' shapes (~30 s)
+def test_dsa_capacity():
+    v32, glm = (capacity(label, config, 141e9) for label, config in models()[:2])
+    assert v32["bytes_per_token_per_layer"] == {"bf16": 1408, "fp8_index_keys": 1284}
+    assert v32["parameters"] == 671_877_944_064  # 671B + the indexers' 0.86B
+    assert 37e9 < v32["active_parameters_no_embedding"] < 38e9  # published: 37B activated
+    assert 743e9 < glm["parameters"] < 745e9  # published: 744B, 40B active
+    for c in (v32, glm):
+        for m in c["meshes"]:
+            assert 0 < m["weights_per_device"] < c["parameters"] * 4
 
 
 def test_oplist_merges_by_key():
@@ -228,12 +267,13 @@ def test_bad_cli_values_are_usage_errors(argv, flag, capsys):
 
 
 def test_main_without_calibration_writes_json_and_markdown(tmp_path, capsys):
-    result = costmodel.main(["--no-calibrate", "--preset", "tiny", "--lengths", "256,512",
-                             "--hardware", "a100,h200", "--devices", "2",
+    result = costmodel.main(["--no-calibrate", "--no-dsa", "--preset", "tiny", "--lengths",
+                             "256,512", "--hardware", "a100,h200", "--devices", "2",
                              "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "costmodel.json").read_text())
     assert set(saved) == {"setup", "hardware", "counts", "predictions", "caches", "validation",
-                          "deepseek_v32", "assumptions", "markdown"}
+                          "dsa_models", "assumptions", "markdown"}
+    assert saved["dsa_models"] is None  # --no-dsa
     assert set(saved["hardware"]) == {"a100", "h200"}
     assert saved["setup"]["calibrated"] is False
     assert [(r["hardware"], r["length"], r["devices"]) for r in saved["predictions"]] == [
@@ -243,7 +283,7 @@ def test_main_without_calibration_writes_json_and_markdown(tmp_path, capsys):
     assert saved["caches"]["bytes_per_token"]["kv"] == 2 * 256
     assert (tmp_path / "costmodel.md").read_text().startswith("# Cost model: tiny")
     assert result["counts"].keys() == {"256", "512"}
-    assert "DeepSeek-V3.2" in capsys.readouterr().out
+    assert "Validation against measured points" in capsys.readouterr().out
 
 
 @pytest.mark.slow
