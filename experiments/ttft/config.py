@@ -40,17 +40,29 @@ class ModelSource(ConfigSection):
     a pretrained model by name (model.pretrained.PRETRAINED, e.g. smollm2-135m, with its
     shipped indexer) or a .gguf / Hugging Face folder path; its held-out text is Python's
     documentation (experiments.text_corpus). preset: a model.config preset with random
-    weights (needs random_weights: true: timing only, no fidelity figures). overrides:
-    ModelConfig fields (run-time switches for a checkpoint; any field for a preset)."""
+    weights (needs random_weights: true: timing only, no fidelity figures). layers: with a
+    preset, the indices of its layers to keep (model.config.keep_layers: each keeps its
+    dense / MoE and full / shared kind; e.g. [2, 3, 4, 5] of deepseek-v3.2: one dense and
+    three MoE layers at full width); None: all. overrides: ModelConfig fields (run-time
+    switches for a checkpoint; any field for a preset, set after `layers`)."""
 
     checkpoint: str | None = None
     pretrained: str | None = None
     preset: str | None = None
     random_weights: bool = False
+    layers: tuple | None = None
     overrides: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         check_bool(self, "random_weights")
+        if self.layers is not None:
+            if self.preset is None:
+                fail("layers", "None unless model.preset is set", self.layers)
+            if not isinstance(self.layers, (list, tuple)) or not self.layers or any(
+                    isinstance(i, bool) or not isinstance(i, int) or i < 0
+                    for i in self.layers):
+                fail("layers", "a non-empty list of layer indices", self.layers)
+            object.__setattr__(self, "layers", tuple(self.layers))
         if self.preset is not None and self.preset not in PRESETS:
             fail("preset", f"None or one of {sorted(PRESETS)}", self.preset)
         if self.random_weights != (self.preset is not None):

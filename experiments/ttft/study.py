@@ -26,6 +26,7 @@ from model import (
     load_default_model,
 )
 from model.checkpoint import read_config
+from model.config import keep_layers
 
 METHOD = {
     "ttft": "prefill start to the first token on the host (last logits ready, argmax), after "
@@ -46,16 +47,27 @@ METHOD = {
 }
 
 
+def preset_config(source, capacity):
+    """The ModelConfig of a preset source (model.preset, its layers, its overrides) holding
+    contexts of `capacity` tokens. ValueError naming a bad field or layer."""
+    preset = get_config(source.preset)
+    if source.layers is not None:
+        preset = keep_layers(preset, source.layers)
+    overrides = dict(source.overrides)
+    overrides.setdefault("max_seq_len", max(length_bucket(capacity), preset.max_seq_len))
+    return preset.replace(**overrides)
+
+
 def load_source(source, capacity):
     """-> (model, description, random_weights, held-out token stream); the model holds
     contexts of `capacity` tokens. A checkpoint that is not there raises
     model.CheckpointMissingError (never a silent random model)."""
     overrides = dict(source.overrides)
     if source.random_weights:
-        preset = get_config(source.preset)
-        overrides.setdefault("max_seq_len", max(length_bucket(capacity), preset.max_seq_len))
-        model = Transformer(get_config(source.preset, **overrides), rngs=nnx.Rngs(0))
-        return model, f"preset {source.preset}, random weights", True, Corpus().heldout_tokens
+        model = Transformer(preset_config(source, capacity), rngs=nnx.Rngs(0))
+        kept = "" if source.layers is None else f", layers {list(source.layers)}"
+        return (model, f"preset {source.preset}{kept}, random weights", True,
+                Corpus().heldout_tokens)
     if source.pretrained is not None:
         from experiments.text_corpus import heldout_text_tokens
         from model.pretrained import load_pretrained

@@ -104,6 +104,36 @@ def test_random_weights_need_a_preset():
         RunConfig.from_dict({"model": {"random_weights": True}})
 
 
+def test_h200_config_is_v32_shaped_with_four_layers():
+    """run_h200.yaml names V3.2's true dimensions, cut to one dense and three MoE layers;
+    the shapes come from nnx.eval_shape (the ~80 GB model is never allocated here)."""
+    import pathlib
+
+    from flax import nnx
+
+    from experiments.ttft.study import preset_config
+    from model import Transformer
+
+    run = load_run_config(pathlib.Path(main_job.DEFAULT_CONFIG).parent / "run_h200.yaml")
+    assert run.model.preset == "deepseek-v3.2" and run.model.layers == (2, 3, 4, 5)
+    config = preset_config(run.model, max(run.lengths) + run.decode_steps + 1)
+    assert config.n_layers == 4 and config.moe.mlp_layer_types == ("dense",) + ("sparse",) * 3
+    model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+    dense, moe = model.layers[0], model.layers[1]
+    assert dense.mlp.gate.kernel.shape == (7168, 18432)
+    assert moe.mlp.gate.shape == (256, 7168, 2048) and moe.mlp.down.shape == (256, 2048, 7168)
+    assert moe.mlp.shared.gate.kernel.shape == (7168, 2048)
+    assert moe.attn.q_b.kernel.shape == (1536, 128 * 192)
+    assert moe.attn.kv_a.kernel.shape == (7168, 512 + 64)
+    assert moe.indexer.wq.kernel.shape == (1536, 64 * 128)  # wq_b, from the q-LoRA residual
+    assert config.dtype == "bfloat16" and config.top_k == 2048
+    with pytest.raises(ValueError, match="layers must be None unless model.preset is set"):
+        RunConfig.from_dict({"model": {"layers": [0]}})
+    with pytest.raises(ValueError, match="layers must be a non-empty list of layer indices"):
+        RunConfig.from_dict({"model": {"preset": "tiny", "random_weights": True,
+                                       "layers": []}})
+
+
 def test_timing_is_interleaved_round_by_round():
     from experiments.ttft.measure import time_interleaved
 
