@@ -18,13 +18,14 @@ class LightningIndexer(nnx.Module):
     """
 
     def __init__(self, d_model, heads, dim, rope_dim, *, rngs, rope_theta=10000.0,
-                 rope_scaling=1.0, dtype=jnp.float32, q_dim=None, yarn=None,
-                 rope_interleaved=False):
+                 rope_scaling=1.0, dtype=jnp.float32, param_dtype=jnp.float32, q_dim=None,
+                 yarn=None, rope_interleaved=False):
         init = nnx.initializers.lecun_normal()
         self.heads, self.dim, self.rope_dim = heads, dim, rope_dim
         self.rope_theta, self.rope_scaling = rope_theta, rope_scaling
         self.yarn, self.rope_interleaved = yarn, rope_interleaved
-        lin = dict(use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
+        lin = dict(use_bias=False, kernel_init=init, dtype=dtype, param_dtype=param_dtype,
+                   rngs=rngs)
         self.wq = nnx.Linear(q_dim or d_model, heads * dim, **lin)
         self.wk = nnx.Linear(d_model, dim, **lin)
         self.k_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)

@@ -53,10 +53,11 @@ class Attention(nnx.Module):
 
     CACHE_FIELDS = ("k", "v")  # model.cache.FIELDS: what a GQA layer caches
 
-    def __init__(self, config, *, rngs, dtype=jnp.float32):
+    def __init__(self, config, *, rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         c = config
         init = nnx.initializers.lecun_normal()
-        lin = dict(use_bias=False, kernel_init=init, dtype=dtype, rngs=rngs)
+        lin = dict(use_bias=False, kernel_init=init, dtype=dtype, param_dtype=param_dtype,
+                   rngs=rngs)
         self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
         self.rope_theta, self.rope_scaling, self.yarn = c.rope_theta, c.rope_scaling, c.yarn
         self.scale = c.head_dim ** -0.5

@@ -94,8 +94,12 @@ class ModelConfig(FrozenConfig):
     unused; the indexer's queries come from the q-LoRA residual), moe (a MoEConfig: the
     DeepSeekMoE feed-forward in its "sparse" layers), yarn (a YarnConfig: YaRN RoPE
     frequencies for attention and the indexer), index_rope_interleaved (the indexer's rotary
-    dims hold interleaved pairs: GLM-5). Invalid values raise ValueError naming the field and
-    the allowed range.
+    dims hold interleaved pairs: GLM-5). dtype: the compute and cache dtype; param_dtype:
+    how the weights are stored ("float32", the default: training keeps float32 weights;
+    a checkpoint loaded for inference stores them in its own dtype, e.g. bfloat16 for
+    DeepSeek-V3.2, so the weights take the bytes the checkpoint does; norms and the MoE
+    router stay float32). Invalid values raise ValueError naming the field and the allowed
+    range.
     """
 
     vocab_size: int = 259
@@ -126,6 +130,7 @@ class ModelConfig(FrozenConfig):
     tie_embeddings: bool = False
     prefill_chunk: int = 1024
     dtype: str = "float32"
+    param_dtype: str = "float32"
     hierarchical: HierarchicalConfig = HierarchicalConfig()
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
@@ -170,7 +175,8 @@ class ModelConfig(FrozenConfig):
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"ModelConfig.tie_embeddings must be a bool, "
                              f"got {self.tie_embeddings!r}")
-        for name, allowed in (("attention", ATTENTION_KINDS), ("dtype", DTYPES)):
+        for name, allowed in (("attention", ATTENTION_KINDS), ("dtype", DTYPES),
+                              ("param_dtype", DTYPES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ModelConfig.{name} must be one of {allowed}, "
                                  f"got {getattr(self, name)!r}")

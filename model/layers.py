@@ -17,9 +17,9 @@ class RMSNorm(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    def __init__(self, d_model, d_ff, *, rngs, dtype=jnp.float32):
+    def __init__(self, d_model, d_ff, *, rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         lin = dict(use_bias=False, kernel_init=nnx.initializers.lecun_normal(), dtype=dtype,
-                   rngs=rngs)
+                   param_dtype=param_dtype, rngs=rngs)
         self.gate = nnx.Linear(d_model, d_ff, **lin)
         self.up = nnx.Linear(d_model, d_ff, **lin)
         self.down = nnx.Linear(d_ff, d_model, **lin)

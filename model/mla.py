@@ -32,10 +32,10 @@ class MLAttention(nnx.Module):
 
     CACHE_FIELDS = ("kv_latent",)  # model.cache.FIELDS: what an MLA layer caches
 
-    def __init__(self, config, *, rngs, dtype=jnp.float32):
+    def __init__(self, config, *, rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         m = config.mla
         lin = dict(use_bias=False, kernel_init=nnx.initializers.lecun_normal(), dtype=dtype,
-                   rngs=rngs)
+                   param_dtype=param_dtype, rngs=rngs)
         self.n_heads, self.mla = config.n_heads, m
         self.rope_theta, self.rope_scaling, self.yarn = (config.rope_theta, config.rope_scaling,
                                                          config.yarn)

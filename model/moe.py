@@ -111,7 +111,7 @@ class MoE(nnx.Module):
     moe.fp8_block the routed experts are e4m3 beside f32 `gate_scale`, `up_scale`,
     `down_scale` (model.moe.dequantize), dequantized on the devices that hold them."""
 
-    def __init__(self, d_model, moe, *, rngs, dtype=jnp.float32):
+    def __init__(self, d_model, moe, *, rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         E, F = moe.n_routed_experts, moe.moe_intermediate_size
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         self.moe, self.dtype = moe, dtype
@@ -120,15 +120,15 @@ class MoE(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((E,), jnp.float32))
         shapes = {"gate": (E, d_model, F), "up": (E, d_model, F), "down": (E, F, d_model)}
         for name, shape in shapes.items():
-            w = init(rngs.params(), shape, jnp.float32 if moe.fp8_block else dtype)
+            w = init(rngs.params(), shape, jnp.float32 if moe.fp8_block else param_dtype)
             if moe.fp8_block:  # random weights in the released layout: 1 per block
                 setattr(self, name, nnx.Param(w.astype(E4M3)))
                 setattr(self, f"{name}_scale",
                         nnx.Param(jnp.ones(scale_shape(shape, moe.fp8_block), jnp.float32)))
             else:
                 setattr(self, name, nnx.Param(w))
-        self.shared = (SwiGLU(d_model, F * moe.n_shared_experts, rngs=rngs, dtype=dtype)
-                       if moe.n_shared_experts else None)
+        self.shared = (SwiGLU(d_model, F * moe.n_shared_experts, rngs=rngs, dtype=dtype,
+                              param_dtype=param_dtype) if moe.n_shared_experts else None)
 
     def expert_weights(self):
         """(the routed experts' arrays as stored, unpack: them -> gate, up, down in the

@@ -64,14 +64,14 @@ class DecoderBlock(nnx.Module):
     it attends to the selection the nearest earlier full layer hands it."""
 
     def __init__(self, config, *, layer, rngs):
-        dtype = jnp.dtype(config.dtype)
+        dtype, param_dtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         self.config = config
         self.layer = layer  # index in the stack, for the config's per-layer switches
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         # The attention kind (GQA, or MLA for DeepSeek-style models): project / read /
         # output / scale, over the cache fields it names (model.cache).
         attention = Attention if config.mla is None else MLAttention
-        self.attn = attention(config, rngs=rngs, dtype=dtype)
+        self.attn = attention(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         if config.layer_is_shared(layer):
             self.indexer = self.coarse_screen = None
         else:
@@ -79,7 +79,7 @@ class DecoderBlock(nnx.Module):
             self.indexer = LightningIndexer(
                 config.d_model, config.index_heads, config.index_dim, config.index_rope_dim,
                 rope_theta=config.rope_theta, rope_scaling=config.indexer_rope_scaling,
-                dtype=dtype, rngs=rngs, yarn=config.yarn,
+                dtype=dtype, param_dtype=param_dtype, rngs=rngs, yarn=config.yarn,
                 q_dim=None if config.mla is None else config.mla.q_lora_rank,
                 rope_interleaved=config.index_rope_interleaved)
             # The hierarchical indexer's learned coarse screen (HierarchicalConfig.coarse =
@@ -87,9 +87,11 @@ class DecoderBlock(nnx.Module):
             self.coarse_screen = CoarseScreen(config.index_heads, config.index_dim)
         self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         if config.layer_is_moe(layer):
-            self.mlp = MoE(config.d_model, config.moe, dtype=dtype, rngs=rngs)
+            self.mlp = MoE(config.d_model, config.moe, dtype=dtype, param_dtype=param_dtype,
+                           rngs=rngs)
         else:
-            self.mlp = SwiGLU(config.d_model, config.d_ff, dtype=dtype, rngs=rngs)
+            self.mlp = SwiGLU(config.d_model, config.d_ff, dtype=dtype, param_dtype=param_dtype,
+                              rngs=rngs)
 
     def __call__(self, x, cache, start, kv_len, n_valid=None, capture=(), parallel=None,
                  handoff=None):
@@ -187,15 +189,16 @@ _remat_block_call = nnx.remat(_block_call, static_argnums=(4, 6, 7))
 class Transformer(nnx.Module):
     def __init__(self, config, *, rngs):
         self.config = config
-        dtype = jnp.dtype(config.dtype)
-        self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=dtype, rngs=rngs)
+        dtype, param_dtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+        self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=dtype,
+                               param_dtype=param_dtype, rngs=rngs)
         self.layers = nnx.List([DecoderBlock(config, layer=i, rngs=rngs)
                                 for i in range(config.n_layers)])
         self.final_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         if not config.tie_embeddings:
             self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False,
-                                      dtype=dtype, kernel_init=nnx.initializers.lecun_normal(),
-                                      rngs=rngs)
+                                      dtype=dtype, param_dtype=param_dtype,
+                                      kernel_init=nnx.initializers.lecun_normal(), rngs=rngs)
 
     def __call__(self, tokens, cache, start, kv_len, n_valid=None, *, capture=(), remat=False,
                  parallel=None):

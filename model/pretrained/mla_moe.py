@@ -107,7 +107,8 @@ def dsa_config(config, family, *, source, dtype="float32", **overrides):
         index_heads=int(g("index_n_heads")), index_dim=int(g("index_head_dim")),
         index_rope_dim=mla.qk_rope_head_dim, top_k=int(g("index_topk")), attention="sparse",
         indexer="flat", tie_embeddings=bool(g("tie_word_embeddings", False)), dtype=dtype,
-        mla=mla, moe=moe, yarn=yarn, index_rope_interleaved=family.index_rope_interleaved)
+        # inference weights stored as the checkpoint's dtype (bf16: half of float32's bytes)
+        param_dtype=dtype, mla=mla, moe=moe, yarn=yarn, index_rope_interleaved=family.index_rope_interleaved)
     if family.reads_indexer_types:
         values["indexer_types"] = tuple(g("indexer_types", ()))
     try:

@@ -1,0 +1,116 @@
+"""Memory and time of flat selection with and without the [queries x context] score matrix:
+the flat kind (lax.top_k over each query chunk's full score rows) against the streaming
+kind (indexer.streaming: key tiles merged into a running top_k), side by side.
+
+    python -m experiments.benchmarks.selection_memory [--context 65536] [--queries 1024]
+        [--preset small] [--repeats 3] [--out DIR]
+
+Two measurements, both on the last `--queries` positions of a `--context`-token prefill:
+- compiled peak memory: XLA's memory_analysis() (temporaries + arguments + outputs) of
+  (a) the selection call alone, (b) one prefill chunk step of the `--preset` model (the
+  runner's jitted step, every layer flat or streaming), compiled without running;
+- time and equality: the selection call on seeded random inputs of the preset's indexer
+  shape, the two kinds timed interleaved (one call of each per round), indices compared
+  row by row (equal, or a tie of equal scores).
+Writes OUT/selection_memory.json (default runs/selection_memory/).
+"""
+
+import argparse
+import functools
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from experiments.benchmarks.support import equal_up_to_ties, median_interleaved, random_inputs
+from experiments.common import add_out_argument, display_path, machine_description, write_json
+from indexer import flat_topk
+from indexer.streaming import streaming_topk
+from model import ModelRunner, Transformer, get_config, init_cache
+from model.buckets import length_bucket
+
+KINDS = ("flat", "streaming")
+SELECT = {"flat": flat_topk, "streaming": streaming_topk}
+
+
+def peak_bytes(compiled):
+    """Temporaries + arguments + outputs of a compiled program (aliased bytes once)."""
+    m = compiled.memory_analysis()
+    return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+               - m.alias_size_in_bytes)
+
+
+def selection_program(kind, top_k, q_offset):
+    return jax.jit(functools.partial(SELECT[kind], top_k=top_k, q_offset=q_offset))
+
+
+def step_peak(config, kind, context, queries):
+    """Peak bytes of the prefill chunk step whose `queries` tokens end at `context`."""
+    runner = ModelRunner(Transformer(config.replace(indexer=kind), rngs=nnx.Rngs(0)))
+    cache = jax.eval_shape(lambda: init_cache(runner.config, length_bucket(context)))
+    lowered = runner.lower_step(jax.ShapeDtypeStruct((queries,), jnp.int32), cache,
+                                context - queries, length_bucket(context), queries)
+    compiled = lowered.compile()
+    return peak_bytes(compiled), int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--context", type=int, default=65536)
+    p.add_argument("--queries", type=int, default=1024)
+    p.add_argument("--preset", default="small")
+    p.add_argument("--repeats", type=int, default=3)
+    add_out_argument(p, "selection_memory")
+    args = p.parse_args(argv)
+    if not 1 <= args.queries <= args.context:
+        p.error(f"--queries must be in [1, --context={args.context}], got {args.queries}")
+    config = get_config(args.preset, max_seq_len=max(args.context, 1024),
+                        prefill_chunk=args.queries)
+    H, d, top_k = config.index_heads, config.index_dim, config.top_k
+    offset = args.context - args.queries
+    q, w, k, _ = random_inputs(0, args.context, args.queries, H, d)
+    q, w, k = jnp.asarray(q), jnp.asarray(w), jnp.asarray(k)
+    out = dict(context=args.context, queries=args.queries, preset=args.preset,
+               index_heads=H, index_dim=d, top_k=top_k, hardware=machine_description(),
+               command="python -m experiments.benchmarks.selection_memory "
+                       f"--context {args.context} --queries {args.queries} "
+                       f"--preset {args.preset} --repeats {args.repeats}", kinds={})
+    programs = {}
+    for kind in KINDS:
+        programs[kind] = selection_program(kind, top_k, offset).lower(q, w, k).compile()
+        step, step_temp = step_peak(config, kind, args.context, args.queries)
+        out["kinds"][kind] = dict(selection_peak_bytes=peak_bytes(programs[kind]),
+                                  step_peak_bytes=step, step_temp_bytes=step_temp)
+    seconds = median_interleaved({kind: functools.partial(programs[kind], q, w, k)
+                                  for kind in KINDS}, args.repeats)
+    got = {kind: np.asarray(programs[kind](q, w, k)) for kind in KINDS}
+    for kind in KINDS:
+        out["kinds"][kind]["selection_seconds"] = round(seconds[kind], 4)
+    flat, stream = out["kinds"]["flat"], out["kinds"]["streaming"]
+    out["identical_rows"] = int(np.sum(np.all(got["flat"] == got["streaming"], axis=1)))
+    out["equal_up_to_ties"] = bool(equal_up_to_ties(q, w, k, got["streaming"], got["flat"]))
+    out["selection_memory_ratio"] = round(flat["selection_peak_bytes"]
+                                          / stream["selection_peak_bytes"], 2)
+    out["step_memory_ratio"] = round(flat["step_peak_bytes"] / stream["step_peak_bytes"], 2)
+    out["time_ratio_streaming_over_flat"] = round(stream["selection_seconds"]
+                                                  / flat["selection_seconds"], 3)
+    for kind in KINDS:
+        r = out["kinds"][kind]
+        print(f"{kind:>9}: selection peak {r['selection_peak_bytes'] / 2**20:8.1f} MiB, "
+              f"chunk step peak {r['step_peak_bytes'] / 2**20:8.1f} MiB "
+              f"(temporaries {r['step_temp_bytes'] / 2**20:.1f}), "
+              f"selection {r['selection_seconds']:.3f} s")
+    print(f"memory flat / streaming: selection {out['selection_memory_ratio']}x, chunk step "
+          f"{out['step_memory_ratio']}x; time streaming / flat "
+          f"{out['time_ratio_streaming_over_flat']}; rows identical "
+          f"{out['identical_rows']}/{args.queries}, equal up to ties {out['equal_up_to_ties']}")
+    path = pathlib.Path(args.out) / "selection_memory.json"
+    write_json(path, out)
+    print(f"wrote {display_path(path)}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
