@@ -243,9 +243,9 @@ def assumptions(calibration, model_list=None):
         f"attention at the efficiency the H200 kernel reached with 16 heads per kv head "
         f"(pessimistic for MQA over a 576-value latent shared by 64-128 heads).",
         "Weights per device: model.memory.param_bytes_per_device over the mesh, i.e. the "
-        "parameters as dosa creates them (nnx.Linear keeps float32 kernels under a bf16 "
-        "config: projections, shared experts, dense MLPs, embeddings; routed experts in "
-        "the model's dtype, or FP8 with MoEConfig.fp8_block where model.memory counts it); "
+        "parameters as dosa stores them (ModelConfig.param_dtype: bf16, as the checkpoint "
+        "loads; norms and routers float32; routed experts FP8 e4m3 + block scales with "
+        "MoEConfig.fp8_block); "
         "'expert=8' splits the routed experts 8 ways and keeps the rest whole on every "
         "device. Longest context: the GPU's memory minus the weights, the latent cache "
         "split over the sequence devices (8 with EP, 1 on tensor=8), indexer keys and "
