@@ -63,8 +63,15 @@ def render_chat(tokenizer, model_id, messages):
 class Generation:
     """One admitted request's async side: its engine request, its event queue and text."""
 
-    def __init__(self, service, *, rid, prompt_ids, max_tokens, params, arrival):
+    def __init__(self, service, *, rid, prompt_ids, max_tokens, params, arrival, side="baseline",
+                 variant=None):
+        """side, variant: the rollout side it was routed to and that side's Variant (None:
+        the main config's engine)."""
         self.service, self.rid, self.arrival = service, rid, arrival
+        self.side = side
+        index = variant.index if variant is not None else 0
+        self.metrics = service.metrics_of[index] if service.metrics_of else service.metrics
+        self.fingerprint = f"dosa-{side}-{self.metrics.labels['model_version']}"
         loop = asyncio.get_running_loop()
         self.queue = asyncio.Queue()
         tokenizer = service.loaded.tokenizer
@@ -74,14 +81,14 @@ class Generation:
             id=rid, prompt=np.asarray(prompt_ids, np.int32), max_tokens=max_tokens,
             deliver=lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event),
             sampling=Sampling(params.temperature, params.top_p, seed), stop_token_ids=stop_ids,
-            timeout_s=service.config.request_timeout_s, arrival=arrival)
+            timeout_s=service.config.request_timeout_s, arrival=arrival, variant=index)
         self.text = TextStream(tokenizer, params.stop)
         self.ttft = None
         self.finish_reason = None
         self.status = 200
 
     def start(self):
-        metrics = self.service.metrics
+        metrics = self.metrics
         metrics.prompt_tokens.labels(**metrics.labels).inc(len(self.request.prompt))
         self.service.scheduler.submit(self.request)
 
@@ -93,7 +100,7 @@ class Generation:
             if event.kind == "token":
                 if self.ttft is None:
                     self.ttft = time.perf_counter() - self.arrival
-                    self.service.metrics.observe_ttft(self.ttft, len(self.request.prompt))
+                    self.metrics.observe_ttft(self.ttft, len(self.request.prompt))
                 piece = self.text.add(event.token)
                 if piece:
                     yield piece
@@ -124,19 +131,36 @@ class Generation:
         if (disconnected and self.finish_reason is None) or self.finish_reason == "cancelled":
             self.status = 499  # nginx's "client closed request": nobody read the answer
         self.service.release()
-        metrics = self.service.metrics
+        metrics = self.metrics
         metrics.e2e.labels(**metrics.labels).observe(time.perf_counter() - self.arrival)
         metrics.finished(self.status)
         log_request(self.rid, len(self.request.prompt), self.request.cache_hit_tokens,
                     self.ttft, len(self.request.generated), self.status,
-                    self.finish_reason or ("disconnected" if disconnected else "error"))
+                    self.finish_reason or ("disconnected" if disconnected else "error"),
+                    side=f"{self.side}:{metrics.labels['model_version']}")
 
 
-def log_request(rid, prompt_tokens, cache_hit_tokens, ttft, tokens_out, status, reason=""):
+def log_request(rid, prompt_tokens, cache_hit_tokens, ttft, tokens_out, status, reason="",
+                side="-"):
     ttft_ms = f"{ttft * 1000:.1f}" if ttft is not None else "-"
-    log.info("request id=%s prompt_tokens=%s cache_hit_tokens=%s ttft_ms=%s tokens_out=%s "
-             "status=%s %s", rid, prompt_tokens, cache_hit_tokens, ttft_ms, tokens_out, status,
-             reason)
+    log.info("request id=%s side=%s prompt_tokens=%s cache_hit_tokens=%s ttft_ms=%s "
+             "tokens_out=%s status=%s %s", rid, side, prompt_tokens, cache_hit_tokens, ttft_ms,
+             tokens_out, status, reason)
+
+
+def route(service, request, body, rid):
+    """(side, Variant) of a new request: X-Dosa-Side forces a side; else a stable hash of
+    X-Request-Id, the body's `user`, or the server's id `rid` (serving.rollout)."""
+    if service.rollout is None:
+        return "baseline", None
+    user = body.get("user") if isinstance(body, dict) else None
+    key = request.headers.get("x-request-id") or (user if isinstance(user, str) and user
+                                                  else rid)
+    forced = request.headers.get("x-dosa-side")
+    try:
+        return service.rollout.route(key, forced.strip().lower() if forced else None)
+    except ValueError as e:
+        raise APIError(400, str(e), param="X-Dosa-Side") from None
 
 
 def create_app(service):
@@ -204,14 +228,18 @@ def create_app(service):
                                 "body") from None
         return protocol.parse_json_body(raw, request.headers.get("content-type"))
 
-    def admit(prompt_ids, max_tokens, params, arrival, prefix):
+    def admit(prompt_ids, max_tokens, params, arrival, prefix, request, body):
         max_tokens = protocol.check_length(len(prompt_ids), max_tokens, service.max_context)
-        service.admit()
         rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        side, variant = route(service, request, body, rid)
+        service.admit()
         gen = Generation(service, rid=rid, prompt_ids=prompt_ids, max_tokens=max_tokens,
-                         params=params, arrival=arrival)
+                         params=params, arrival=arrival, side=side, variant=variant)
         gen.start()
         return gen
+
+    def side_headers(gen, **more):
+        return {"X-Dosa-Side": gen.side, **more}
 
     async def generate(request, chat):
         arrival = time.perf_counter()
@@ -229,15 +257,17 @@ def create_app(service):
             prompt_ids = (params.prompt_ids if params.prompt_ids is not None
                           else tokenizer.encode(params.prompt_text, bos=None))
         gen = admit(prompt_ids, params.max_tokens, params, arrival,
-                    "chatcmpl" if chat else "cmpl")
+                    "chatcmpl" if chat else "cmpl", request, body)
         created = int(time.time())
         if params.stream:
             return StreamingResponse(stream(gen, params, chat, created),
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers=side_headers(gen, **{"Cache-Control": "no-cache"}))
         text = await collect(gen, request)
-        return protocol.completion_body(gen.rid, service.model_id, created, text,
+        body = protocol.completion_body(gen.rid, service.model_id, created, text,
                                         gen.finish_reason, gen.usage(), chat=chat)
+        body["system_fingerprint"] = gen.fingerprint
+        return JSONResponse(body, headers=side_headers(gen))
 
     async def stream(gen, params, chat, created):
         rid, model_id = gen.rid, service.model_id
@@ -245,18 +275,19 @@ def create_app(service):
         try:
             try:
                 first = True
+                fp = {"system_fingerprint": gen.fingerprint}
                 async for piece in gen.pieces():
                     yield protocol.sse(protocol.chunk_body(
                         rid, model_id, created, chat=chat, text=piece,
-                        role="assistant" if chat and first else None))
+                        role="assistant" if chat and first else None) | fp)
                     first = False
                 yield protocol.sse(protocol.chunk_body(
                     rid, model_id, created, chat=chat, text="" if not chat else None,
                     role="assistant" if chat and first else None,
-                    finish_reason=gen.finish_reason))
+                    finish_reason=gen.finish_reason) | fp)
                 if params.include_usage:
                     yield protocol.sse(protocol.chunk_body(rid, model_id, created, chat=chat,
-                                                           usage=gen.usage()))
+                                                           usage=gen.usage()) | fp)
             except APIError as e:  # headers are out: the error goes in-stream
                 yield protocol.sse(e.body())
             yield protocol.sse("[DONE]")
@@ -293,15 +324,20 @@ def create_app(service):
         arrival = time.perf_counter()
         check_auth(request)
         service.require_ready()
-        prompt, max_tokens = protocol.parse_predict(await read_body(request))
+        body = await read_body(request)
+        prompt, max_tokens = protocol.parse_predict(body)
         params = protocol.GenerationParams(temperature=0.0, top_p=1.0)
         prompt_ids = service.loaded.tokenizer.encode(prompt, bos=None)
-        gen = admit(prompt_ids, max_tokens, params, arrival, "predict")
+        gen = admit(prompt_ids, max_tokens, params, arrival, "predict", request, body)
         answer = await collect(gen, request)
-        return {"answer": answer, "ttft_ms": round(gen.ttft * 1000, 3) if gen.ttft else None,
-                "prompt_tokens": len(prompt_ids),
-                "cache_hit_tokens": gen.request.cache_hit_tokens,
-                "completion_tokens": len(gen.request.generated),
-                "finish_reason": gen.finish_reason, "model": service.model_id}
+        return JSONResponse({
+            "answer": answer, "ttft_ms": round(gen.ttft * 1000, 3) if gen.ttft else None,
+            "prompt_tokens": len(prompt_ids), "cache_hit_tokens": gen.request.cache_hit_tokens,
+            "completion_tokens": len(gen.request.generated),
+            "finish_reason": gen.finish_reason, "model": service.model_id,
+            "system_fingerprint": gen.fingerprint}, headers=side_headers(gen))
 
+    from serving.admin import add_admin_routes
+
+    add_admin_routes(app, service, read_body)
     return app

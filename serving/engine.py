@@ -16,6 +16,7 @@ the same order: serving.follower.
 
 import dataclasses
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,7 @@ from model.cache import init_cache
 from model.runner import ModelRunner
 from model.sampling import sample_token
 from serving.prefix_cache import Block
+from serving.shadow import ShadowRecord, compare, flat_rows_program, watched_layers
 
 log = logging.getLogger("serving.engine")
 
@@ -67,6 +69,8 @@ class Prefill:
     position: int
     cache_hit_tokens: int
     logits: jax.Array | None = None
+    step_seconds: float = 0.0  # wall time of the prefill steps so far (device work included)
+    shadow: list = dataclasses.field(default_factory=list)  # ShadowRecords of watched chunks
 
     @property
     def done(self):
@@ -75,11 +79,14 @@ class Prefill:
 
 class Engine:
     def __init__(self, model, *, max_context, slots, prefill_chunk=None, prefix_cache=None,
-                 mesh=None):
+                 mesh=None, shadow=None):
         """mesh: None (one device) or a model.sharding mesh. ValueError when the mesh does
         not fit the model (tensor axis vs heads), the cache (sequence axis vs capacity) or
-        the decode slots (data axis)."""
+        the decode slots (data axis). shadow: a serving.shadow.ShadowSampler (shadow recall
+        of sampled prefill chunks against flat) or None."""
         self.config = model.config
+        self.watched = watched_layers(model.config)
+        self.shadow = shadow if shadow is not None and shadow.enabled and self.watched else None
         self.mesh = mesh
         self.runner = ModelRunner(model, mesh=mesh)
         self.max_context = max_context
@@ -101,6 +108,7 @@ class Engine:
             self._take_prefix = jax.jit(layer_cache.take_prefix, static_argnums=(1, 2))
             self._with_prefix = jax.jit(self._cache_with_prefix)
             self._sample, self._sample_one, self._xp = sample_batch, None, jnp
+            self._flat_rows = flat_rows_program()
             return
         self._init_mesh(mesh)
 
@@ -128,6 +136,7 @@ class Engine:
         self._sample = jax.jit(_sample_batch, out_shardings=whole)
         self._sample_one = jax.jit(_sample_first, out_shardings=whole)
         self._xp = np
+        self._flat_rows = flat_rows_program(whole)
 
     # ------------------------------------------------------------------ prefill
 
@@ -147,13 +156,64 @@ class Engine:
         hit = len(hit_blocks) * self.prefix_cache.block_tokens
         return Prefill(tokens, cache, hit, hit)
 
-    def prefill_step(self, state):
-        """Prefills the next chunk (up to self.chunk tokens) of `state`."""
+    def shadow_plan(self, state):
+        """The positions of the rows to watch in `state`'s next chunk (i32[<= rows]), or
+        None (host only: the leader of several processes decides and broadcasts it)."""
+        if self.shadow is None:
+            return None
         end = min(len(state.tokens), state.position + self.chunk)
-        state.logits, state.cache = self.runner.prefill(
-            state.tokens[state.position:end], cache=state.cache, start=state.position,
-            chunk=self.config.prefill_chunk)
+        return self.shadow.plan(state.position, end - state.position)
+
+    def prefill_step(self, state, rows="plan", *, charge=True):
+        """Prefills the next chunk (up to self.chunk tokens) of `state`. rows: "plan" (the
+        shadow sampler decides), None (not watched) or the positions of the chunk's rows to
+        watch: then the step captures the indexer inputs and indices of its own pass and
+        appends a ShadowRecord to state.shadow (charge: count its time against the
+        sampler's budget; the warm-up does not)."""
+        if isinstance(rows, str):
+            rows = self.shadow_plan(state)
+        start, end = state.position, min(len(state.tokens), state.position + self.chunk)
+        t0 = time.perf_counter()
+        if rows is None or len(rows) == 0:
+            state.logits, state.cache = self.runner.prefill(
+                state.tokens[start:end], cache=state.cache, start=start,
+                chunk=self.config.prefill_chunk)
+            state.logits.block_until_ready()
+        else:
+            state.logits, state.cache, captured = self.runner.prefill(
+                state.tokens[start:end], cache=state.cache, start=start,
+                chunk=self.config.prefill_chunk, capture=("indexer", "indices"),
+                capture_from=start)
+        t1 = time.perf_counter()
+        state.step_seconds += t1 - t0
         state.position = end
+        if rows is not None and len(rows):
+            record = self._watch(state.cache, captured, np.asarray(rows, np.int32), start, end,
+                                 t1)
+            state.shadow.append(record)
+            if charge and self.shadow is not None:
+                self.shadow.charge(record.seconds)
+
+    def _watch(self, cache, captured, positions, start, end, t0):
+        """The ShadowRecord of a captured chunk: flat top_k of the rows at `positions` over
+        the pass's own key cache against the indices the pass attended to."""
+        layers = [layer for layer, _ in self.watched]
+        rel = positions - start
+        if rel.min() < 0 or positions.max() >= end:
+            raise ValueError(f"shadow rows {positions.tolist()} are outside the chunk "
+                             f"[{start}, {end})")
+        # Always R rows (one compiled re-selection per key length): pad with the last row.
+        R = max(len(rel), self.shadow.rows if self.shadow is not None else 0)
+        padded = np.concatenate([rel, np.full(R - len(rel), rel[-1], rel.dtype)])
+        q = np.asarray(captured["indexer"].q)[layers][:, padded]
+        w = np.asarray(captured["indexer"].w)[layers][:, padded]
+        deployed = np.asarray(captured["indices"])[[u for _, u in self.watched]][:, rel]
+        flat = np.asarray(self._flat_rows(
+            tuple(cache[layer].k_index for layer in layers), q, w, padded + start,
+            kv_len=min(self.capacity, length_bucket(end)), top_k=self.config.top_k))
+        recall, iou = compare(layers, deployed, flat[:, :len(rel)])
+        return ShadowRecord(tuple(positions.tolist()), tuple(layers), tuple(recall), tuple(iou),
+                            time.perf_counter() - t0)
 
     def first_token(self, state, sampling):
         """Samples the first generated token of a finished prefill."""
@@ -269,7 +329,11 @@ class Engine:
         for padded, kv_len in shapes:
             scratch.tokens = np.zeros(kv_len, np.int32)
             scratch.position = kv_len - padded
-            self.prefill_step(scratch)
+            self.prefill_step(scratch, None)
+            if self.shadow is not None:  # the capturing step and the flat re-selection
+                scratch.position = kv_len - padded
+                rows = min(self.shadow.rows, padded)
+                self.prefill_step(scratch, np.arange(kv_len - rows, kv_len), charge=False)
         kv_buckets = sorted({kv_len for _, kv_len in shapes})
         for kv_len in kv_buckets:
             self.decode({0: (0, kv_len - 1, Sampling(), 0)})  # slot 0 is overwritten on use

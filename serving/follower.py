@@ -8,12 +8,16 @@ other processes run `follow`: receive a description, replay the same engine call
 own Engine, repeat until the "shutdown" op.
 
 A message is two broadcasts (jax.experimental.multihost_utils.broadcast_one_to_all, a psum
-from process 0 over one device per process): a header i32[4] = (op, n_ints, n_floats, 0),
+from process 0 over one device per process): a header i32[4] = (op, n_ints, n_floats,
+variant) - variant: which engine runs the call (0: the main config's, 1: the canary's;
+serving.rollout) -,
 then, when the op has a payload, (ints i32[N], floats f32[F]) padded to powers of two >= 16
 (few shapes: each new shape compiles its psum once). Payloads:
 
     begin_prefill  ints = the prompt's tokens [n]
-    prefill_step, cache_prompt, reset_slots, shutdown   (no payload)
+    prefill_step   ints = the positions of the rows its shadow recall watches (none: not
+                   watched; the leader's sampler decides, serving.shadow)
+    cache_prompt, reset_slots, shutdown   (no payload)
     first_token    ints = [seed], floats = [temperature, top_p]
     insert         ints = [slot]
     decode         ints = [slots; tokens; positions; steps; seeds] (5 x running),
@@ -55,11 +59,12 @@ def _broadcast(tree, is_source):
     return multihost_utils.broadcast_one_to_all(tree, is_source=is_source)
 
 
-def send(op, ints=(), floats=()):
-    """Process 0: broadcasts one message (op name, ints, floats) to every process."""
+def send(op, ints=(), floats=(), variant=0):
+    """Process 0: broadcasts one message (op name, ints, floats, variant) to every
+    process."""
     ints = np.asarray(ints, np.int32).reshape(-1)
     floats = np.asarray(floats, np.float32).reshape(-1)
-    header = np.array([OP_CODES[op], ints.size, floats.size, 0], np.int32)
+    header = np.array([OP_CODES[op], ints.size, floats.size, variant], np.int32)
     _broadcast(header, True)
     if ints.size or floats.size:
         _broadcast(_payload(ints, floats), True)
@@ -67,14 +72,15 @@ def send(op, ints=(), floats=()):
 
 def receive():
     """Processes > 0: the next message from process 0 -> (op name, ints i32[n], floats
-    f32[m])."""
+    f32[m], variant)."""
     header = np.asarray(_broadcast(np.zeros(HEADER, np.int32), False))
     op, n_ints, n_floats = OPS[int(header[0])], int(header[1]), int(header[2])
+    variant = int(header[3])
     if not (n_ints or n_floats):
-        return op, np.zeros(0, np.int32), np.zeros(0, np.float32)
+        return op, np.zeros(0, np.int32), np.zeros(0, np.float32), variant
     ints, floats = _broadcast(_payload(np.zeros(n_ints, np.int32),
                                        np.zeros(n_floats, np.float32)), False)
-    return op, np.asarray(ints)[:n_ints], np.asarray(floats)[:n_floats]
+    return op, np.asarray(ints)[:n_ints], np.asarray(floats)[:n_floats], variant
 
 
 def _payload(ints, floats):
@@ -110,20 +116,50 @@ def _decode_batch(ints, floats):
             for i, slot in enumerate(slots)}
 
 
+class _Channel:
+    """What the Leaders of one group share: the lock, the latest begun Prefill (followers
+    hold only that one, whichever variant began it) and whether the group is shut down."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.current = None
+        self.closed = False
+
+
 class Leader:
     """Process 0's engine for the scheduler: each call broadcasts its message, then runs on
     the wrapped Engine. Other attributes (config, n_slots, prefix_cache, ...) are the
     engine's. Calls are serialized by a lock: the scheduler thread and `shutdown` (from
     the main thread) never interleave two collectives. hosts: the group's HostMonitor; a
     call that fails while it reports a lost host raises HostLostError (its requests are
-    answered by the Service, with 503)."""
+    answered by the Service, with 503). variant: the engine's index in the followers' list
+    (a canary rollout's second engine is 1); `group` builds the Leaders of several engines
+    over one channel."""
 
-    def __init__(self, engine, hosts=None):
+    def __init__(self, engine, hosts=None, *, variant=0, channel=None):
         self.engine = engine
         self.hosts = hosts
-        self._lock = threading.Lock()
-        self._current = None  # the latest begun Prefill: the one followers hold
-        self._closed = False
+        self.variant = variant
+        self._channel = channel if channel is not None else _Channel()
+        self._lock = self._channel.lock
+
+    @classmethod
+    def group(cls, engines, hosts=None):
+        channel = _Channel()
+        return [cls(engine, hosts, variant=i, channel=channel)
+                for i, engine in enumerate(engines)]
+
+    @property
+    def _current(self):
+        return self._channel.current
+
+    @_current.setter
+    def _current(self, state):
+        self._channel.current = state
+
+    @property
+    def _closed(self):
+        return self._channel.closed
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -133,7 +169,7 @@ class Leader:
             if self._closed:
                 raise RuntimeError(f"engine is shut down: cannot run {op}")
             try:
-                send(op, ints, floats)
+                send(op, ints, floats, self.variant)
                 return method(*args)
             except Exception as e:
                 # A collective with a dead peer fails (or hangs) before the heartbeat says
@@ -155,7 +191,11 @@ class Leader:
 
     def prefill_step(self, state):
         self._check_current(state, "prefill_step")
-        return self._call("prefill_step", self.engine.prefill_step, state)
+        plan = getattr(self.engine, "shadow_plan", None)
+        rows = plan(state) if plan is not None else None
+        if rows is None:
+            return self._call("prefill_step", self.engine.prefill_step, state, None)
+        return self._call("prefill_step", self.engine.prefill_step, state, rows, ints=rows)
 
     def first_token(self, state, sampling):
         self._check_current(state, "first_token")
@@ -183,13 +223,13 @@ class Leader:
         """Ends the followers' loops (once; later engine calls raise)."""
         with self._lock:
             if not self._closed:
-                self._closed = True
+                self._channel.closed = True
                 send("shutdown")
 
 
 def replay(engine, op, ints, floats, current):
-    """Runs message (op, ints, floats) on `engine` as process 0 ran it -> the Prefill the
-    follower holds next."""
+    """Runs message (op, ints, floats) on `engine` (the message's variant's) as process 0
+    ran it -> the Prefill the follower holds next."""
     if op == "begin_prefill":
         return engine.begin_prefill(ints)
     if op == "reset_slots":
@@ -201,7 +241,7 @@ def replay(engine, op, ints, floats, current):
     if current is None:
         raise RuntimeError(f"{op}: no prefill begun")
     if op == "prefill_step":
-        engine.prefill_step(current)
+        engine.prefill_step(current, ints if len(ints) else None)
     elif op == "first_token":
         engine.first_token(current, Sampling(float(floats[0]), float(floats[1]), int(ints[0])))
     elif op == "cache_prompt":
@@ -214,19 +254,22 @@ def replay(engine, op, ints, floats, current):
     return current
 
 
-def follow(engine):
-    """A follower's loop: replays process 0's engine calls until "shutdown". A failed call
-    is logged and the loop goes on, as process 0's scheduler does (its request got the
-    error; the same inputs fail the same way here). Returns the number of calls replayed."""
+def follow(engines):
+    """A follower's loop: replays process 0's engine calls (each on the engine of its
+    message's variant; `engines`: one Engine or the list build_engines made) until
+    "shutdown". A failed call is logged and the loop goes on, as process 0's scheduler does
+    (its request got the error; the same inputs fail the same way here). Returns the
+    number of calls replayed."""
+    engines = engines if isinstance(engines, (list, tuple)) else [engines]
     current, count = None, 0
     while True:
-        op, ints, floats = receive()
+        op, ints, floats, variant = receive()
         if op == "shutdown":
             log.info("shutdown from process 0 after %d engine calls", count)
             return count
         count += 1
         try:
-            current = replay(engine, op, ints, floats, current)
+            current = replay(engines[variant], op, ints, floats, current)
         except Exception:
             log.exception("replaying %s failed", op)
             if op == "begin_prefill":
@@ -235,16 +278,16 @@ def follow(engine):
 
 def run_follower(config, mesh, *, hosts=None, loader=None):
     """What `python -m serving` runs on processes other than 0: load the model, build and
-    warm up the engine exactly as process 0 does (serving.loading.build_engine), then
+    warm up the engines exactly as process 0 does (serving.loading.build_engines), then
     follow. hosts: this process's HostMonitor (serving.hosts), stopped with a goodbye after
     process 0's shutdown. Returns the exit code."""
     import jax
 
-    from serving.loading import build_engine
+    from serving.loading import build_engines
 
     log.info("process %d of %d: following process 0", jax.process_index(), jax.process_count())
-    engine, _, _ = build_engine(config, mesh, loader=loader)
-    follow(engine)
+    engines, _, _ = build_engines(config, mesh, loader=loader)
+    follow(engines)
     if hosts is not None:
         hosts.stop()
     return 0

@@ -71,12 +71,30 @@ def apply_overrides(config, overrides):
     return config.replace(**overrides)
 
 
-def build_engine(cfg, mesh=None, *, loader=None):
-    """Loads the model, builds the Engine (on `mesh`) and warms it up -> (engine, loaded,
-    max_context). Every process of a sharded server runs this, in the same order: the
-    warm-up's steps are collectives on a mesh that spans processes."""
+def selection_summary(config):
+    """The selection switches of a ModelConfig, as GET /admin/rollout and the log show them."""
+    out = {"attention": config.attention, "indexer": config.indexer, "top_k": config.top_k}
+    if config.indexer == "hierarchical":
+        h = config.hierarchical
+        out.update(candidate_tokens=h.candidate_tokens, coarse_keep_ratio=h.coarse_keep_ratio,
+                   coarse=h.coarse, coarse_mass=h.coarse_mass)
+    if config.indexer_types:
+        out["indexer_types"] = "".join("S" if t == "shared" else "F"
+                                       for t in config.indexer_types)
+    return out
+
+
+def build_engines(cfg, mesh=None, *, loader=None):
+    """Loads the model, builds its Engines (on `mesh`) and warms them up -> (engines,
+    loaded, max_context). engines[0] runs the main config; with a `canary:` block,
+    engines[1] runs the canary's selection switches over the same weights
+    (model.with_config shares the arrays), with its own decode slots and prefix cache.
+    Every process of a sharded server runs this, in the same order: the warm-up's steps
+    are collectives on a mesh that spans processes."""
+    from model import with_config
     from serving.engine import Engine
     from serving.prefix_cache import PrefixCache
+    from serving.shadow import ShadowSampler
 
     t0 = time.perf_counter()
     loaded = (loader() if loader is not None
@@ -90,14 +108,34 @@ def build_engine(cfg, mesh=None, *, loader=None):
         max_context = model_config.max_seq_len
     log.info("loaded %s in %.1f s: %s", loaded.model_id, time.perf_counter() - t0,
              loaded.description)
-    cache = PrefixCache(cfg.cache_block_tokens, max_blocks=cfg.cache_size,
-                        max_bytes=cfg.cache_bytes)
-    engine = Engine(loaded.model, max_context=max_context, slots=cfg.decode_slots,
-                    prefill_chunk=cfg.prefill_chunk, prefix_cache=cache, mesh=mesh)
+    variants = [(loaded.model, cfg.decode_slots, cfg.shadow_rate_for(model_config))]
+    if cfg.canary is not None:
+        canary = with_config(loaded.model, apply_overrides(model_config,
+                                                          cfg.canary.model_overrides()))
+        variants.append((canary, cfg.canary.decode_slots or cfg.decode_slots,
+                         cfg.canary.shadow_rate_for(canary.config)))
+    engines = []
     warm = max_context if cfg.warmup_max_context is None else cfg.warmup_max_context
-    t0 = time.perf_counter()
-    buckets = engine.warmup(min(warm, max_context))
-    log.info("warm-up: compiled %d key-length buckets up to %d tokens in %.1f s%s", buckets,
-             min(warm, max_context), time.perf_counter() - t0,
-             "" if mesh is None else f" on mesh {dict(mesh.shape)}")
-    return engine, loaded, max_context
+    for index, (net, slots, rate) in enumerate(variants):
+        cache = PrefixCache(cfg.cache_block_tokens, max_blocks=cfg.cache_size,
+                            max_bytes=cfg.cache_bytes)
+        shadow = ShadowSampler(rate, cfg.shadow_rows, cfg.shadow_max_seconds_per_s,
+                               seed=index)
+        engine = Engine(net, max_context=max_context, slots=slots,
+                        prefill_chunk=cfg.prefill_chunk, prefix_cache=cache, mesh=mesh,
+                        shadow=shadow)
+        t0 = time.perf_counter()
+        buckets = engine.warmup(min(warm, max_context))
+        log.info("warm-up of %s: compiled %d key-length buckets up to %d tokens in %.1f s%s%s",
+                 "the canary" if index else "the baseline", buckets, min(warm, max_context),
+                 time.perf_counter() - t0,
+                 f", shadow recall at rate {engine.shadow.rate:g}" if engine.shadow else "",
+                 "" if mesh is None else f" on mesh {dict(mesh.shape)}")
+        engines.append(engine)
+    return engines, loaded, max_context
+
+
+def build_engine(cfg, mesh=None, *, loader=None):
+    """build_engines' first engine -> (engine, loaded, max_context)."""
+    engines, loaded, max_context = build_engines(cfg, mesh, loader=loader)
+    return engines[0], loaded, max_context

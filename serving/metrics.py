@@ -1,6 +1,8 @@
 """Prometheus metrics of the server (vLLM's names with a `dosa_` prefix), and the estimate of
 the indexer's share of a prefill that one of them reports."""
 
+import copy
+
 import prometheus_client as prom
 
 from model.buckets import chunk_plan, length_bucket
@@ -11,6 +13,9 @@ TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
                 20.0, 40.0, 80.0, 160.0, 320.0)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
                 5.12, 10.24)
+
+RECALL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.925, 0.95, 0.97,
+                  0.98, 0.99, 0.995, 0.999, 1.0)
 
 
 def context_bucket(n_tokens):
@@ -110,9 +115,52 @@ class Metrics:
             "dosa_generation_tokens", "Generated tokens.", by_version, registry=reg)
         self.prompt_tokens = prom.Counter(
             "dosa_prompt_tokens", "Prompt tokens of admitted requests.", by_version, registry=reg)
+        self.prefill_seconds = prom.Counter(
+            "dosa_prefill_seconds", "Wall time of prefill steps (chunks, device work "
+            "included; a watched chunk's capturing step too).", by_version, registry=reg)
+        by_layer = ["model_version", "layer"]
+        self.selection_recall = prom.Histogram(
+            "dosa_selection_recall", "Shadow recall of the deployed selection against flat "
+            "top_k on the same indexer inputs, one observation per watched prefill chunk and "
+            "layer (mean over its sampled query rows); layer: the full layer whose selection "
+            "it is (shared layers attend to it).", by_layer, buckets=RECALL_BUCKETS,
+            registry=reg)
+        self.selection_iou = prom.Histogram(
+            "dosa_selection_iou", "Shadow IoU of the deployed selection with flat top_k (as "
+            "dosa_selection_recall).", by_layer, buckets=RECALL_BUCKETS, registry=reg)
+        self.shadow_rows = prom.Counter(
+            "dosa_shadow_rows", "Query rows whose selection was checked against flat (each "
+            "counts once for every watched layer).", by_version, registry=reg)
+        self.shadow_seconds = prom.Counter(
+            "dosa_shadow_seconds", "Wall time of the shadow work (flat re-selection of the "
+            "sampled rows, copies, recall/IoU); the cost of watching.", by_version,
+            registry=reg)
+        self.rollout_changes = prom.Counter(
+            "dosa_rollout_changes", "Rollout changes (promote, rollback, set_share, "
+            "guard_rollback).", ["action"], registry=reg)
+        self._init_version()
+
+    def _init_version(self):
         self._hits = self._queries = 0
         for gauge in (self.running, self.waiting, self.cache_blocks, self.cache_hit_rate):
             gauge.labels(**self.labels).set(0)
+
+    def for_version(self, model_version, indexer):
+        """The same metrics (one registry) recorded under another model_version label and
+        TTFT indexer label: one view per side of a canary rollout."""
+        view = copy.copy(self)
+        view.labels = dict(model_version=model_version)
+        view.indexer = indexer
+        view._init_version()
+        return view
+
+    def observe_shadow(self, record):
+        """A serving.shadow.ShadowRecord of a watched chunk."""
+        for layer, recall, iou in zip(record.layers, record.recall, record.iou):
+            self.selection_recall.labels(layer=str(layer), **self.labels).observe(recall)
+            self.selection_iou.labels(layer=str(layer), **self.labels).observe(iou)
+        self.shadow_rows.labels(**self.labels).inc(len(record.positions) * len(record.layers))
+        self.shadow_seconds.labels(**self.labels).inc(record.seconds)
 
     def observe_ttft(self, seconds, prompt_tokens):
         self.ttft.labels(indexer=self.indexer, context_bucket=context_bucket(prompt_tokens),

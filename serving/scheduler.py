@@ -52,6 +52,7 @@ class Request:
     stop_token_ids: frozenset = frozenset()
     timeout_s: float = 600.0
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    variant: int = 0  # which engine (selection configuration) runs it: serving.rollout
     # Worker-thread state
     generated: list = dataclasses.field(default_factory=list)
     cache_hit_tokens: int = 0
@@ -72,16 +73,27 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, engine, metrics=None, *, batching_window_s=0.0):
-        self.engine = engine
-        self.metrics = metrics
+    """engine: one Engine, or a list of them (the variants of a canary rollout: the same
+    weights under other selection switches, each with its own decode slots and prefix
+    cache); a request runs on engines[request.variant] from its prefill to its end.
+    metrics: a serving.metrics.Metrics, or one per engine (Metrics.for_version views).
+    on_shadow: called (variant, ShadowRecord) for each watched prefill chunk."""
+
+    def __init__(self, engine, metrics=None, *, batching_window_s=0.0, on_shadow=None):
+        self.engines = list(engine) if isinstance(engine, (list, tuple)) else [engine]
+        self.engine = self.engines[0]
+        if not isinstance(metrics, (list, tuple)):
+            metrics = [metrics] * len(self.engines)
+        self.metrics_of = list(metrics)
+        self.metrics = self.metrics_of[0]
+        self.on_shadow = on_shadow
         self.batching_window_s = batching_window_s
         self._cond = threading.Condition()
         self._incoming = collections.deque()
         self._stop = False
         self.waiting = collections.deque()
-        self.prefilling = None  # (Request, engine.Prefill, slot)
-        self.running = {}  # slot -> Request
+        self.prefilling = None  # (Request, engine.Prefill, (variant, slot))
+        self.running = {}  # (variant, slot) -> Request
         self.finished_log = collections.deque(maxlen=1000)  # (id, reason, tokens out)
         self._thread = None
         self._deliver_lock = threading.Lock()
@@ -145,7 +157,8 @@ class Scheduler:
                     self._cond.wait()
                     # Just woken from idle: give other requests a moment to join the batch.
                     deadline = time.perf_counter() + self.batching_window_s
-                    while (not self._stop and len(self._incoming) < self.engine.n_slots
+                    slots = sum(e.n_slots for e in self.engines)
+                    while (not self._stop and len(self._incoming) < slots
                            and time.perf_counter() < deadline):
                         self._cond.wait(deadline - time.perf_counter())
                 if self._stop or self._failure is not None:
@@ -160,15 +173,25 @@ class Scheduler:
 
     def _turn(self):
         self._drop_cancelled()
-        if self.prefilling is None and self.waiting and len(self._free_slots()) > 0:
-            request = self.waiting.popleft()
-            slot = self._free_slots()[0]
-            self._guarded([request], self._begin_prefill, request, slot)
+        if self.prefilling is None:
+            # The first waiting request whose engine has a free slot (sides do not block
+            # each other).
+            for request in self.waiting:
+                free = self._free_slots(request.variant)
+                if free:
+                    self.waiting.remove(request)
+                    self._guarded([request], self._begin_prefill, request,
+                                  (request.variant, free[0]))
+                    break
         if self.prefilling is not None:
             request, state, slot = self.prefilling
             self._guarded([request], self._prefill_chunk, request, state, slot)
-        if self.running:
-            self._guarded(list(self.running.values()), self._decode)
+        for variant in sorted({v for v, _ in self.running}):
+            requests = [r for (v, _), r in self.running.items() if v == variant]
+            self._guarded(requests, self._decode, variant)
+
+    def _m(self, request):
+        return self.metrics_of[request.variant]
 
     def _guarded(self, requests, fn, *args):
         try:
@@ -181,13 +204,13 @@ class Scheduler:
                 self._finish(request, error=(500, f"internal error: {type(e).__name__}: {e}",
                                              "server_error"))
             if fn == self._decode:  # the donated slot caches may be gone: start afresh
-                self.engine.reset_slots()
+                self.engines[args[0]].reset_slots()
 
-    def _free_slots(self):
+    def _free_slots(self, variant=0):
         taken = set(self.running)
         if self.prefilling is not None:
             taken.add(self.prefilling[2])
-        return [s for s in range(self.engine.n_slots) if s not in taken]
+        return [s for s in range(self.engines[variant].n_slots) if (variant, s) not in taken]
 
     def _drop_cancelled(self):
         now = time.perf_counter()
@@ -203,57 +226,79 @@ class Scheduler:
 
     def _begin_prefill(self, request, slot):
         request.prefill_start = time.perf_counter()
-        if self.metrics is not None:
-            self.metrics.queue_time.labels(**self.metrics.labels).observe(
+        engine, metrics = self.engines[request.variant], self._m(request)
+        if metrics is not None:
+            metrics.queue_time.labels(**metrics.labels).observe(
                 request.prefill_start - request.arrival)
-        state = self.engine.begin_prefill(request.prompt)
+        state = engine.begin_prefill(request.prompt)
         request.cache_hit_tokens = state.cache_hit_tokens
-        if self.metrics is not None:
-            self.metrics.observe_cache_lookup(len(request.prompt), state.cache_hit_tokens)
-            self.metrics.indexer_share.labels(**self.metrics.labels).set(
-                indexer_prefill_share(self.engine.config, state.position,
+        if metrics is not None:
+            metrics.observe_cache_lookup(len(request.prompt), state.cache_hit_tokens)
+            metrics.indexer_share.labels(**metrics.labels).set(
+                indexer_prefill_share(engine.config, state.position,
                                       len(request.prompt) - state.position))
         self.prefilling = (request, state, slot)
 
     def _prefill_chunk(self, request, state, slot):
-        self.engine.prefill_step(state)
+        engine, metrics = self.engines[request.variant], self._m(request)
+        seconds = getattr(state, "step_seconds", 0.0)
+        try:
+            engine.prefill_step(state)
+        finally:
+            self._record_step(request, state, seconds)
         if not state.done:
             return
         self.prefilling = None
-        token = self.engine.first_token(state, request.sampling)
-        if self.metrics is not None:
-            self.metrics.prefill_time.labels(**self.metrics.labels).observe(
+        token = engine.first_token(state, request.sampling)
+        if metrics is not None:
+            metrics.prefill_time.labels(**metrics.labels).observe(
                 time.perf_counter() - request.prefill_start)
         goes_on = self._emit_token(request, token)  # first: caching must not delay TTFT
-        self.engine.cache_prompt(state)
-        if self.metrics is not None and self.engine.prefix_cache is not None:
-            self.metrics.set_cache_usage(self.engine.prefix_cache.usage())
+        engine.cache_prompt(state)
+        if metrics is not None and engine.prefix_cache is not None:
+            metrics.set_cache_usage(engine.prefix_cache.usage())
         if goes_on:
-            self.engine.insert(slot, state)
+            engine.insert(slot[1], state)
             self.running[slot] = request
 
-    def _decode(self):
+    def _record_step(self, request, state, seconds_before):
+        """The prefill seconds of the step just run, and its shadow records, if any."""
+        metrics = self._m(request)
+        records = getattr(state, "shadow", None) or []
+        if metrics is not None and hasattr(state, "step_seconds"):
+            metrics.prefill_seconds.labels(**metrics.labels).inc(
+                state.step_seconds - seconds_before)
+        for record in records:
+            if metrics is not None:
+                metrics.observe_shadow(record)
+            if self.on_shadow is not None:
+                self.on_shadow(request.variant, record)
+        if records:
+            records.clear()
+
+    def _decode(self, variant):
+        running = {slot: r for (v, slot), r in self.running.items() if v == variant}
         batch = {slot: (r.generated[-1], len(r.prompt) + len(r.generated) - 1, r.sampling,
-                        len(r.generated)) for slot, r in self.running.items()}
-        for slot, token in self.engine.decode(batch).items():
-            self._emit_token(self.running[slot], token)
+                        len(r.generated)) for slot, r in running.items()}
+        for slot, token in self.engines[variant].decode(batch).items():
+            self._emit_token(running[slot], token)
 
     def _emit_token(self, request, token):
         """Delivers `token` (or finishes the request on a stop token or its length limit);
         returns whether the request goes on."""
         now = time.perf_counter()
+        metrics = self._m(request)
         if request.first_token_time is None:
             request.first_token_time = now
-        elif self.metrics is not None:
-            self.metrics.inter_token.labels(**self.metrics.labels).observe(
-                now - request.last_token_time)
+        elif metrics is not None:
+            metrics.inter_token.labels(**metrics.labels).observe(now - request.last_token_time)
         request.last_token_time = now
         if token in request.stop_token_ids:
             self._finish(request, reason="stop")
             return False
         request.generated.append(token)
-        if self.metrics is not None:
-            self.metrics.generated_tokens.labels(**self.metrics.labels).inc()
+        if metrics is not None:
+            metrics.generated_tokens.labels(**metrics.labels).inc()
         self._send(request, Event("token", now, token=token))
         if len(request.generated) >= request.max_tokens:
             self._finish(request, reason="length")
@@ -294,9 +339,13 @@ class Scheduler:
     def _update_gauges(self):
         if self.metrics is None:
             return
-        running, waiting = self.counts()
-        self.metrics.running.labels(**self.metrics.labels).set(running)
-        self.metrics.waiting.labels(**self.metrics.labels).set(waiting)
+        prefilling = self.prefilling[0].variant if self.prefilling is not None else None
+        waiting = list(self.waiting) + list(self._incoming)
+        for variant, metrics in enumerate(self.metrics_of):
+            running = sum(v == variant for v, _ in self.running) + (prefilling == variant)
+            metrics.running.labels(**metrics.labels).set(running)
+            metrics.waiting.labels(**metrics.labels).set(
+                sum(r.variant == variant for r in waiting))
 
 
 def _error_event(error, now=None):

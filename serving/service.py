@@ -32,6 +32,8 @@ class Service:
         self.state = LOADING
         self.error = None
         self.loaded = self.engine = self.scheduler = self.metrics = None
+        self.engines, self.metrics_of = [], []  # one per variant (serving.rollout)
+        self.rollout = None
         self.model_id = None
         self.max_context = None
         self.active = 0
@@ -69,23 +71,44 @@ class Service:
             self._ready.set()
 
     def _build(self):
-        from serving.loading import build_engine
+        from serving.loading import build_engines, selection_summary
         from serving.metrics import Metrics
+        from serving.rollout import Rollout, Variant
         from serving.scheduler import Scheduler
 
         cfg = self.config
-        engine, loaded, max_context = build_engine(cfg, self.mesh, loader=self._loader)
-        model_config = loaded.model.config
+        engines, loaded, max_context = build_engines(cfg, self.mesh, loader=self._loader)
         if _process_count(self.mesh) > 1:  # every engine call is replayed by the followers
             from serving.follower import Leader
 
-            engine = Leader(engine, hosts=self.hosts)
-        self.model_id = cfg.model_version or loaded.model_id
-        metrics = Metrics(self.model_id, indexer_label(model_config))
-        scheduler = Scheduler(engine, metrics, batching_window_s=cfg.batching_window_ms / 1000)
+            engines = Leader.group(engines, hosts=self.hosts)
+        model_id = cfg.model_version or loaded.model_id
+        versions = [model_id]
+        if cfg.canary is not None:
+            versions.append(cfg.canary.model_version or f"{model_id}-canary")
+            if versions[1] == versions[0]:
+                raise ValueError(f"serving config: canary.model_version must differ from the "
+                                 f"baseline's model_version ({model_id!r})")
+        metrics = Metrics(model_id, indexer_label(engines[0].config))
+        metrics_of = [metrics] + [metrics.for_version(v, indexer_label(e.config))
+                                  for v, e in zip(versions[1:], engines[1:])]
+        canary = cfg.canary
+        rollout = Rollout(
+            [Variant(i, v, selection_summary(e.config))
+             for i, (v, e) in enumerate(zip(versions, engines))],
+            share=canary.share if canary else 0.0,
+            recall_floor=canary.recall_floor if canary else None,
+            guard_window=canary.guard_window if canary else 20,
+            on_change=lambda action, old, new: metrics.rollout_changes.labels(
+                action=action).inc())
+        scheduler = Scheduler(engines, metrics_of,
+                              batching_window_s=cfg.batching_window_ms / 1000,
+                              on_shadow=rollout.observe)
         scheduler.start()
         with self._state_lock:
-            self.loaded, self.engine, self.metrics = loaded, engine, metrics
+            self.loaded, self.engine, self.metrics = loaded, engines[0], metrics
+            self.engines, self.metrics_of, self.rollout = engines, metrics_of, rollout
+            self.model_id = model_id
             self.scheduler, self.max_context = scheduler, max_context
             lost = self.state == HOST_LOST
         if lost:  # lost while loading: nothing may run
