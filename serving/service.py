@@ -103,7 +103,8 @@ class Service:
                 action=action).inc())
         scheduler = Scheduler(engines, metrics_of,
                               batching_window_s=cfg.batching_window_ms / 1000,
-                              on_shadow=rollout.observe)
+                              on_shadow=lambda variant, record: rollout.observe(
+                                  variant, record.mean_recall))
         scheduler.start()
         with self._state_lock:
             self.loaded, self.engine, self.metrics = loaded, engines[0], metrics
