@@ -205,7 +205,9 @@ def build_dsa_transformer(config, read_tensor, *, source, names, mesh=None, read
         else:
             target = jax.sharding.NamedSharding(mesh, specs[path].get_value())
             value = jax.make_array_from_callback(host.shape, target, lambda idx: host[idx])
-        flat[path] = variable.replace(value)
+        # Transfers are asynchronous: wait for each, so that the host copies of pending
+        # ones never pile up (on a busy machine they did, by tens of MB).
+        flat[path] = variable.replace(value.block_until_ready())
 
     by_param = {}  # parameter path -> its tensors (one, or one per expert)
     for name, (path, transpose, expert, shape) in wanted.items():
