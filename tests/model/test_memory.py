@@ -7,6 +7,7 @@ import jax
 import pytest
 from flax import nnx
 
+from model.dsa_presets import V32_CONFIG
 from model.memory import check_fits, memory_per_device, param_bytes_per_device
 from model.pretrained import load_pretrained
 from model.pretrained.mla_moe import dsa_config
@@ -14,22 +15,9 @@ from model.pretrained.safetensors_dir import DSA_FAMILIES
 
 FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "dsa" / "deepseek_v32"
 
-# DeepSeek-V3.2's released config.json (the values transformers' DeepseekV32Config defaults
-# to), FP8 weights in blocks of 128 x 128.
-V32 = dict(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
-           vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-           moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
-           num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
-           routed_scaling_factor=2.5, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
-           v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
-           num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=163840,
-           rms_norm_eps=1e-6, first_k_dense_replace=3, index_topk=2048, index_head_dim=128,
-           index_n_heads=64,
-           rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
-                                original_max_position_embeddings=4096, beta_fast=32,
-                                beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
-           quantization_config=dict(quant_method="fp8", fmt="e4m3",
-                                    weight_block_size=[128, 128]))
+# DeepSeek-V3.2's released config.json (model.dsa_presets), FP8 weights in blocks of 128.
+V32 = dict(V32_CONFIG, quantization_config=dict(quant_method="fp8", fmt="e4m3",
+                                                weight_block_size=[128, 128]))
 
 
 def test_parameter_bytes_are_the_models_own():
