@@ -68,3 +68,61 @@ def test_two_processes_serve_like_one_device(tmp_path):
     assert "shutdown from process 0 after" in follower_log
     assert "lost process" not in group.output(tail=100_000)  # a goodbye, not a loss
     assert len(PROMPT_A) == 150 and PROMPT_B[:128] == PROMPT_A[:128]
+
+
+CANARY = {"indexer": "hierarchical", "candidate_tokens": 32, "share": 0.5,
+          "model_version": "tiny-hier", "shadow_rate": 1.0}
+
+
+def _sided_answers(url, api_key):
+    """Greedy texts of PROMPT_A on each forced side, their fingerprints, and the canary's
+    shadow recall sums per layer from /metrics."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"}
+    out = {}
+    with httpx.Client(base_url=url, headers=headers, timeout=120) as client:
+        for side in ("baseline", "canary"):
+            r = client.post("/v1/completions", headers={"X-Dosa-Side": side},
+                            json=dict(prompt=PROMPT_A, max_tokens=6, temperature=0,
+                                      ignore_eos=True))
+            out[side] = [r.status_code, r.headers.get("x-dosa-side"),
+                         r.json()["system_fingerprint"], r.json()["choices"][0]["text"]]
+        metrics = client.get("/metrics").text
+    out["recall_sums"] = sorted(line for line in metrics.splitlines()
+                                if line.startswith("dosa_selection_recall_sum"))
+    return out
+
+
+@pytest.mark.slow
+def test_two_processes_serve_a_canary_like_one_device(tmp_path):
+    """The leader's broadcast carries each call's variant and its shadow rows: the two
+    processes answer each side as one device does, with the same shadow recall."""
+    from serving.service import Service
+    from tests.serving.conftest import API_KEY, RunningServer, test_config, tiny_loaded
+
+    group = Group(tmp_path, canary=CANARY, shadow_max_seconds_per_s=1.0)
+    try:
+        service = Service(test_config(canary=CANARY, shadow_max_seconds_per_s=1.0),
+                          loader=tiny_loaded)
+        running = RunningServer(service)
+        service.start()
+        assert service.wait_ready(240), service.error
+        try:
+            expected = _sided_answers(running.url, API_KEY)
+        finally:
+            running.stop()
+        group.wait_healthy(300)
+        got = _sided_answers(group.url, group.api_key)
+        group.procs[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(60) for p in group.procs]
+    finally:
+        group.close()
+    assert codes == [0, 0], group.output()
+    assert got["baseline"][:3] == [200, "baseline", "dosa-baseline-dosa-tiny-untrained"]
+    assert got["canary"][:3] == [200, "canary", "dosa-canary-tiny-hier"]
+    assert got["baseline"] == expected["baseline"] and got["canary"] == expected["canary"]
+    assert len(got["recall_sums"]) == 2  # layers 0 and 1 of the canary
+    for a, b in zip(got["recall_sums"], expected["recall_sums"]):
+        assert a.rsplit(" ", 1)[0] == b.rsplit(" ", 1)[0]
+        assert abs(float(a.rsplit(" ", 1)[1]) - float(b.rsplit(" ", 1)[1])) < 1e-6
