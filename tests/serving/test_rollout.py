@@ -244,3 +244,21 @@ def test_a_canary_block_reads_case_insensitive_keys_and_sets_only_its_switches()
     assert config.shadow_rate_for(tiny) == 0.0  # flat: nothing to watch
     assert config.canary.shadow_rate_for(tiny.replace(indexer="hierarchical")) == 0.1
     assert ServingConfig(shadow_rate=0.5).shadow_rate_for(tiny) == 0.5
+
+
+def test_the_admin_endpoint_is_off_without_a_key_and_needs_it_otherwise():
+    from fastapi.testclient import TestClient
+
+    from serving.api import create_app
+    from serving.service import Service
+    from tests.serving.conftest import test_config
+
+    off = TestClient(create_app(Service(test_config(api_key=None))))
+    r = off.get("/admin/rollout")
+    assert r.status_code == 403 and "set admin_key" in r.json()["error"]["message"]
+    app = TestClient(create_app(Service(test_config(admin_key="admin"))))  # not loaded
+    assert app.get("/admin/rollout", headers={"Authorization": "Bearer test-key"}
+                   ).status_code == 401  # the API key is not the admin key
+    r = app.post("/admin/rollout", headers={"Authorization": "Bearer admin"},
+                 json={"action": "promote"})
+    assert r.status_code == 503  # still loading: no rollout to change
