@@ -108,7 +108,8 @@ def dsa_config(config, family, *, source, dtype="float32", **overrides):
         index_rope_dim=mla.qk_rope_head_dim, top_k=int(g("index_topk")), attention="sparse",
         indexer="flat", tie_embeddings=bool(g("tie_word_embeddings", False)), dtype=dtype,
         # inference weights stored as the checkpoint's dtype (bf16: half of float32's bytes)
-        param_dtype=dtype, mla=mla, moe=moe, yarn=yarn, index_rope_interleaved=family.index_rope_interleaved)
+        param_dtype=dtype, mla=mla, moe=moe, yarn=yarn,
+        index_rope_interleaved=family.index_rope_interleaved)
     if family.reads_indexer_types:
         values["indexer_types"] = tuple(g("indexer_types", ()))
     try:

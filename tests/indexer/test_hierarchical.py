@@ -252,6 +252,7 @@ def test_coarse_scores_match_brute_force_on_block_means():
         np.testing.assert_allclose(light[t][visible[t]], row[visible[t]], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # a heavy equivalence: default-tier headroom
 @pytest.mark.parametrize("seed", [0, 1])
 def test_block_upper_bounds_bound_every_visible_token(seed):
     T, L, B = 9, 77, 8

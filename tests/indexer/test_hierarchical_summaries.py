@@ -5,6 +5,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -53,6 +54,7 @@ def assert_matches(cache, want):
        steps=st.lists(st.tuples(st.sampled_from(SIZES), st.integers(0, 16)), min_size=1,
                       max_size=8),
        seed=st.integers(0, 2**16))
+@pytest.mark.slow  # a heavy equivalence: default-tier headroom
 def test_incremental_summaries_equal_recomputed_ones(block_size, steps, seed):
     """Appends of any sizes (each chunk possibly padded: only n_valid of its rows real), in
     order, leave the same summaries as computing them from the keys at once."""

@@ -34,6 +34,7 @@ def test_capture_leaves_the_logits_unchanged(attention, kinds):
     assert all(len(v) == model.config.n_layers for v in captured.values())
 
 
+@pytest.mark.slow  # a heavy equivalence: default-tier headroom
 def test_attention_target_is_a_causal_distribution_over_keys():
     model = _model(1, attention="dense")
     _, captured = model.forward(jnp.asarray(_tokens(2, 40)), capture=("attention_target",))

@@ -79,6 +79,7 @@ def test_a_scale_grid_that_does_not_fit_names_the_tensor(tmp_path):
         load_pretrained(tmp_path)
 
 
+@pytest.mark.slow  # a heavy equivalence: default-tier headroom
 def test_fp8_experts_stay_fp8_and_match_the_dequantized_model():
     """load_pretrained(fp8_experts=True): the routed experts are the file's e4m3 bytes and
     scales (transposed into dosa's layout), the model's logits those of the model whose

@@ -50,6 +50,7 @@ def test_sparse_with_top_k_covering_context_equals_dense():
     np.testing.assert_allclose(dense.forward(toks), sparse.forward(toks), **TOL)
 
 
+@pytest.mark.slow  # a heavy equivalence: default-tier headroom
 def test_sparse_with_small_top_k_differs_from_dense():
     toks = jnp.asarray(_tokens(4, 96))
     dense = _model(2, attention="dense").forward(toks)

@@ -43,6 +43,7 @@ def test_the_first_sparse_layer_keeps_the_top_k_of_the_dense_pass_attention():
         np.testing.assert_array_equal(np.sort(row[row >= 0]), np.sort(want))
 
 
+@pytest.mark.slow  # a heavy equivalence: default-tier headroom
 def test_an_oracle_that_keeps_every_token_is_dense():
     model = Transformer(get_config("tiny", top_k=64), rngs=nnx.Rngs(5))
     toks = jnp.asarray(_tokens(6, 60))

@@ -16,6 +16,7 @@ def checkpoints(tmp_path_factory):
     return tmp, hp, weights
 
 
+@pytest.mark.slow  # a heavy equivalence: default-tier headroom
 def test_both_formats_give_the_same_model_and_tokens(checkpoints):
     tmp, hp, _ = checkpoints
     a = load_pretrained(tmp / "hf", attention="dense")
@@ -34,6 +35,7 @@ def test_both_formats_give_the_same_model_and_tokens(checkpoints):
     assert float(jnp.std(la)) > 0.1  # the weights, not a constant, made these logits
 
 
+@pytest.mark.slow  # a heavy equivalence: default-tier headroom
 def test_tied_embeddings_and_a_numpy_forward_of_the_hf_weights(checkpoints):
     tmp, hp, w = checkpoints
     model = load_pretrained(tmp / "hf", attention="dense").model

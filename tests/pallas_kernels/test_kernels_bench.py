@@ -66,6 +66,7 @@ def _correctness(tmp_path, *extra):
     pytest.param("gathered_index_scores", "shifted", marks=pytest.mark.slow),
     ("sparse_attention", "shifted"),
     pytest.param("sparse_attention", "unwritten", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a heavy equivalence: default-tier headroom
 def test_correctness_fails_exactly_the_wrong_kernel(tmp_path, monkeypatch, broken, how):
     _stand_ins(monkeypatch, broken, how)
     checks = _correctness(tmp_path)
