@@ -15,9 +15,9 @@ def main():
 
     original = engine.Engine.prefill_step
 
-    def slow_prefill_step(self, state):
+    def slow_prefill_step(self, state, *args, **kwargs):
         time.sleep(delay)
-        return original(self, state)
+        return original(self, state, *args, **kwargs)
 
     engine.Engine.prefill_step = slow_prefill_step
     return serve(sys.argv[2:])
