@@ -3,7 +3,7 @@
 # Server first, from the repository root:
 #   nice -n 10 python -m serving --config results/serving/rollout/canary.yaml > server.log 2>&1 &
 cd "$(git rev-parse --show-toplevel)"
-URL=http://127.0.0.1:8191; KEY=rollout-key; OUT=${OUT:-/tmp/rollout}; mkdir -p $OUT
+URL=http://127.0.0.1:8191; KEY=rollout-key; OUT=${OUT:-runs/rollout}; mkdir -p $OUT
 until curl -sf $URL/health > /dev/null; do sleep 5; done
 date -u +%T > $OUT/t_ready
 curl -s $URL/metrics > $OUT/metrics0.txt
