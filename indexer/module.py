@@ -31,16 +31,21 @@ class LightningIndexer(nnx.Module):
         self.k_norm = nnx.LayerNorm(dim, dtype=dtype, rngs=rngs)
         self.ww = nnx.Linear(d_model, heads, **lin)
 
-    def __call__(self, x, positions, query_hidden=None):
-        """x: [T, d_model], positions: i32[T] -> (q [T, H_I, d_I], w [T, H_I], k [T, d_I])."""
+    def __call__(self, x, positions, query_hidden=None, query_rows=None):
+        """x: [T, d_model], positions: i32[T] -> (q [T, H_I, d_I], w [T, H_I], k [T, d_I]).
+
+        query_rows: None, or i32[R] rows of the T tokens: q and w only there ([R, ...]; a
+        teacher cache trains on a few hundred queries of an 8K window, keys at every token)."""
         hq = x if query_hidden is None else query_hidden
-        T = x.shape[0]
+        xw, q_positions = x, positions
+        if query_rows is not None:
+            hq, xw, q_positions = hq[query_rows], x[query_rows], positions[query_rows]
         rope = dict(theta=self.rope_theta, scaling=self.rope_scaling, yarn=self.yarn,
                     interleaved=self.rope_interleaved)
-        q = self.wq(hq).reshape(T, self.heads, self.dim)
-        q = apply_partial_rope(q, positions, self.rope_dim, **rope)
+        q = self.wq(hq).reshape(hq.shape[0], self.heads, self.dim)
+        q = apply_partial_rope(q, q_positions, self.rope_dim, **rope)
         k = apply_partial_rope(self.k_norm(self.wk(x)), positions, self.rope_dim, **rope)
-        w = self.ww(x).astype(jnp.float32) * (self.heads**-0.5 * self.dim**-0.5)
+        w = self.ww(xw).astype(jnp.float32) * (self.heads**-0.5 * self.dim**-0.5)
         return q, w, k
 
 

@@ -16,8 +16,8 @@ _EXPORTS = {
     "model.config": ("PRESETS", "ModelConfig", "get_config"),
     "model.runner": ("ModelRunner",),
     "model.sampling": ("sample_token",),
-    "model.transformer": ("CAPTURE_KINDS", "DecoderBlock", "IndexerInputs", "Transformer",
-                          "with_config"),
+    "model.transformer": ("CAPTURE_KINDS", "DecoderBlock", "IndexerInputs", "IndexerSource",
+                          "Transformer", "with_config"),
 }
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_MODULE_OF)

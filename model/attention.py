@@ -8,12 +8,15 @@ from indexer.rope import apply_rope, rope_angles
 from indexer.selection import selection_kind
 
 
-def dense_causal_attention(q, k, v, *, q_offset=0, scale=None, return_head_sum=False):
+def dense_causal_attention(q, k, v, *, q_offset=0, scale=None, return_head_sum=False,
+                           head_sum_rows=None):
     """q: [T, H, D], k: [L, H_kv, D], v: [L, H_kv, Dv] -> out [T, H, Dv].
 
     Query i at position q_offset + i sees keys j <= q_offset + i. Softmax in fp32.
     return_head_sum: also return p f32[T, L], the attention probabilities summed over the
     H heads and L1-normalised per query (the indexer's KL target), as (out, p).
+    head_sum_rows: i32[R] (indices into the T queries; traced is fine): p only at those
+    rows, f32[R, L] (a teacher cache keeps a few hundred rows of an 8K window, not 8K).
     """
     T, H, D = q.shape
     L, H_kv, _ = k.shape
@@ -27,7 +30,7 @@ def dense_causal_attention(q, k, v, *, q_offset=0, scale=None, return_head_sum=F
     out = out.reshape(T, H, v.shape[-1]).astype(q.dtype)
     if not return_head_sum:
         return out
-    p = jnp.sum(probs, axis=(1, 2))
+    p = jnp.sum(probs if head_sum_rows is None else probs[head_sum_rows], axis=(1, 2))
     return out, p / jnp.sum(p, axis=-1, keepdims=True)
 
 

@@ -26,19 +26,31 @@ from model.moe import MoE
 #                       indexer's parameters; its input is detached from the residual stream);
 #                       on a shared layer (indexer_types) those of the full layer whose
 #                       selection it attends to, so a KL on it trains that indexer for both
+#   "indexer_input":    IndexerSource(hidden [T, d_model], query_hidden [T, q_dim] or None),
+#                       what the layer's indexer reads (detached); on a shared layer, what
+#                       the full layer whose selection it attends to read. With the
+#                       "attention_target" rows this is all a teacher cache needs to train
+#                       the indexer without running the model again
+#                       (experiments.training.teacher)
 #   "attention_target": f32[T, kv_len], the dense attention probabilities summed over heads
 #                       and L1-normalised per query (the indexer warm-up's KL target;
-#                       attention="dense" only)
+#                       attention="dense" only); f32[R, kv_len] at the R rows of
+#                       `capture_rows` when the pass is given them
 #   "indices":          i32[T, top_k], the tokens the sparse pass attended to (-1 = none;
 #                       attention="sparse" only; all -1 in config.dense_layers, which
 #                       attend to every visible token)
-CAPTURE_KINDS = ("indexer", "attention_target", "indices")
+CAPTURE_KINDS = ("indexer", "indexer_input", "attention_target", "indices")
 
 
 class IndexerInputs(NamedTuple):
     q: jax.Array
     w: jax.Array
     k: jax.Array
+
+
+class IndexerSource(NamedTuple):
+    hidden: jax.Array
+    query_hidden: jax.Array | None
 
 
 def check_capture(config, capture):
@@ -94,13 +106,15 @@ class DecoderBlock(nnx.Module):
                               rngs=rngs)
 
     def __call__(self, x, cache, start, kv_len, n_valid=None, capture=(), parallel=None,
-                 handoff=None):
+                 handoff=None, capture_rows=None):
         """x: [T, d_model] at positions start.. ; keys read from cache[:kv_len].
 
         Returns (x_out, new_cache, captured, handoff): captured maps each kind in `capture`
         (see CAPTURE_KINDS; checked by the Transformer) to this layer's value; handoff is
-        (IndexerInputs, indices or None) of the selection this layer attended to, which the
-        following shared layers reuse (the `handoff` argument: ignored by a full layer).
+        (IndexerInputs, indices or None, IndexerSource) of the selection this layer attended
+        to, which the following shared layers reuse (the `handoff` argument: ignored by a
+        full layer). capture_rows: None, or i32[R] rows of the T queries at which
+        "attention_target" is captured.
         kv_len is static; positions past start + T inside it hold stale or zero entries,
         which the causal mask hides. n_valid (traced is fine): only the first n_valid rows
         are real tokens (a padded prefill chunk); the rest are written to the key caches
@@ -127,13 +141,13 @@ class DecoderBlock(nnx.Module):
             cache = cache.replace(**parallel.write_rows(token_rows(cache, names, None), rows,
                                                         start))
         if self.indexer is None:
-            inputs, indices = handoff
+            inputs, indices, source = handoff
         else:
             # The indexer learns only from its own loss (DSA): its input is detached.
-            inputs = IndexerInputs(*self.indexer(
-                jax.lax.stop_gradient(h), positions,
-                query_hidden=None if index_query is None
-                else jax.lax.stop_gradient(index_query)))
+            source = IndexerSource(jax.lax.stop_gradient(h), None if index_query is None
+                                   else jax.lax.stop_gradient(index_query))
+            inputs = IndexerInputs(*self.indexer(source.hidden, positions,
+                                                 query_hidden=source.query_hidden))
             if parallel is not None:  # every shard scores every key: all-gather the new ones
                 inputs = inputs._replace(k=parallel.replicate(inputs.k))
             cache = write_index(cache, inputs.k, start,
@@ -147,6 +161,8 @@ class DecoderBlock(nnx.Module):
         captured = {}
         if "indexer" in capture:
             captured["indexer"] = inputs
+        if "indexer_input" in capture:
+            captured["indexer_input"] = source
         scale = self.attn.scale
         if config.layer_is_sparse(self.layer):
             if parallel is None:
@@ -167,7 +183,7 @@ class DecoderBlock(nnx.Module):
             keys, values = self.attn.read(token_rows(cache, names, kv_len))
             if "attention_target" in capture:
                 out, p = dense_causal_attention(q, keys, values, q_offset=start, scale=scale,
-                                                return_head_sum=True)
+                                                return_head_sum=True, head_sum_rows=capture_rows)
                 captured["attention_target"] = jax.lax.stop_gradient(p)
             else:
                 out = dense_causal_attention(q, keys, values, q_offset=start, scale=scale)
@@ -175,11 +191,12 @@ class DecoderBlock(nnx.Module):
                 captured["indices"] = jnp.full((T, config.top_k), -1, jnp.int32)
         x = x + self.attn.output(out)
         x = x + self.mlp(self.mlp_norm(x))
-        return x, cache, captured, (inputs, indices)
+        return x, cache, captured, (inputs, indices, source)
 
 
-def _block_call(block, x, cache, start, kv_len, n_valid, capture, parallel, handoff):
-    return block(x, cache, start, kv_len, n_valid, capture, parallel, handoff)
+def _block_call(block, x, cache, start, kv_len, n_valid, capture, parallel, handoff,
+                capture_rows):
+    return block(x, cache, start, kv_len, n_valid, capture, parallel, handoff, capture_rows)
 
 
 # Rematerialised block for training memory: one block's activations alive at a time.
@@ -201,13 +218,14 @@ class Transformer(nnx.Module):
                                       kernel_init=nnx.initializers.lecun_normal(), rngs=rngs)
 
     def __call__(self, tokens, cache, start, kv_len, n_valid=None, *, capture=(), remat=False,
-                 parallel=None):
+                 parallel=None, capture_rows=None):
         """tokens: i32[T] at positions start..start+T-1 -> (logits f32[T, V], new cache), or
         (logits, new cache, captured) when `capture` names kinds (CAPTURE_KINDS): captured
         maps each kind to a list over layers.
 
         n_valid: the first n_valid tokens are real, the rest padding (default T).
         remat: rematerialise each block in the backward pass (training memory).
+        capture_rows: None, or i32[R] rows of the T queries: "attention_target" only there.
         parallel: None, or a model.sequence_parallel.SequenceParallel (sharded prefill and
         decode over a mesh's sequence axis; see model.runner.ModelRunner(mesh=)).
         """
@@ -219,7 +237,8 @@ class Transformer(nnx.Module):
         handoff = None
         for layer, layer_cache in zip(self.layers, cache):
             x, layer_cache, layer_captured, handoff = call(layer, x, layer_cache, start, kv_len,
-                                                           n_valid, kinds, parallel, handoff)
+                                                           n_valid, kinds, parallel, handoff,
+                                                           capture_rows)
             new_cache.append(layer_cache)
             for kind in kinds:
                 captured[kind].append(layer_captured[kind])
@@ -230,11 +249,12 @@ class Transformer(nnx.Module):
             return logits, new_cache, captured
         return logits, new_cache
 
-    def forward(self, tokens, *, capture=(), remat=False):
+    def forward(self, tokens, *, capture=(), remat=False, capture_rows=None):
         """Full-sequence logits f32[T, V] from scratch (training, evaluation); with
         `capture`, (logits, captured) as in __call__."""
         T = tokens.shape[0]
-        out = self(tokens, init_cache(self.config, T), 0, T, capture=capture, remat=remat)
+        out = self(tokens, init_cache(self.config, T), 0, T, capture=capture, remat=remat,
+                   capture_rows=capture_rows)
         return (out[0], out[2]) if capture else out[0]
 
 

@@ -104,3 +104,13 @@ def make_tiny_checkpoints(tmp, seed=3):
     write_hf_folder(tmp / "hf", hp, weights, tokens)
     write_gguf(tmp / "tiny.gguf", hp, weights, tokens)
     return hp, weights
+
+
+def tiny_training_setup(tmp, monkeypatch, module):
+    """A tiny GGUF in `tmp` for a training command (`module`: its list_documents reads the
+    first 40 corpus documents only; downloads go to tmp/cache) -> the GGUF's path."""
+    make_tiny_checkpoints(tmp)
+    monkeypatch.setenv("DOSA_CACHE_DIR", str(tmp / "cache"))
+    few = module.list_documents()[:40]
+    monkeypatch.setattr(module, "list_documents", lambda: few)
+    return str(tmp / "tiny.gguf")

@@ -55,19 +55,21 @@ def retrieval(model, tokenizer, text_tokens, L, kind, n_seq, per_sequence, seed,
         scores = list(stored or [])
         source = "baseline" if have == n_seq else (
             f"baseline ({have} sequences) + computed" if have else "computed")
+        # A baseline pass is written back after every sequence, so a run stopped part way
+        # (these passes take hours at 8K on a CPU) leaves a prefix the next run extends.
+        keep = baselines is not None and baselines[2] and method in BASELINE_METHODS
         if have < n_seq:
             runner = ModelRunner(with_config(model, method_config(model.config, method)))
-            for seq in seqs[have:]:
+            for i, seq in enumerate(seqs[have:], start=have + 1):
                 if kind == "needle":
                     scores += score_context(runner, seq, L)
-                    continue
-                logits, _ = runner.prefill(seq.tokens, logits_from=seq.query_start)
-                scores += score_probes(logits, seq)
+                else:
+                    logits, _ = runner.prefill(seq.tokens, logits_from=seq.query_start)
+                    scores += score_probes(logits, seq)
+                if keep:
+                    save_baseline(baselines[0], baselines[1], method, scores, i,
+                                  command=baselines[3], wall_s=round(time.monotonic() - t, 1))
         wall = round(time.monotonic() - t, 1)
-        if have < n_seq and baselines is not None and baselines[2] \
-                and method in BASELINE_METHODS:
-            save_baseline(baselines[0], baselines[1], method, scores, n_seq,
-                          command=baselines[3], wall_s=wall)
         # per probe: the share of answer tokens right (teacher forced), and whether the
         # probe was answered exactly (copy / passkey: all tokens right; needle: generated)
         tokens_right = [x[0] for x in scores] if kind == "needle" else scores

@@ -17,6 +17,10 @@ inputs are detached and only indexer parameters are trained with, per layer,
                                           heads and L1-normalised (causal, s <= t)
 
 averaged over queries and layers.
+
+Stage "indexer_cached": the same loss on a teacher-cache window (experiments.training.teacher:
+the frozen model's indexer inputs and attention rows, computed once), at sampled query rows;
+a "batch" is one cached window.
 """
 
 import functools
@@ -27,12 +31,15 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from indexer import index_scores
 from model.tokenizer import PAD
+from pallas_kernels import index_scores
 
 INDEXER_PARAMS = nnx.All(nnx.Param, nnx.PathContains("indexer"))
 MAIN_PARAMS = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer")))
-STAGES = ("dense", "dense_long", "indexer_warmup")
+STAGES = ("dense", "dense_long", "indexer_warmup")  # the stages of experiments.training.train
+# every loss a train step can take: the stages, and the retrofit's teacher-cache warm-up
+# (experiments.training.retrofit)
+LOSS_STAGES = (*STAGES, "indexer_cached")
 LM_STAGES = ("dense", "dense_long")
 KL_CAPTURE = ("indexer", "attention_target")
 
@@ -81,15 +88,19 @@ def lm_loss(model, batch, *, remat=False):
 
 
 @jax.checkpoint  # the [T, H_I, T] scores are recomputed in the backward pass, not kept per layer
-def indexer_kl(q, w, k, p):
+def indexer_kl(q, w, k, p, q_positions=None):
     """KL(p_t || softmax(I[t, :])) averaged over the T queries t of one layer.
 
-    q: [T, H_I, d_I], w: f32[T, H_I], k: [T, d_I] (the indexer's outputs at positions
-    0..T-1), p: f32[T, T] target rows (distributions over s <= t) -> f32 scalar >= 0.
-    Differentiable w.r.t. q, w, k (the XLA scoring path: a Pallas kernel has no VJP)."""
-    T = q.shape[0]
-    scores = index_scores(q, w, k, backend="xla")
-    visible = jnp.arange(k.shape[0])[None, :] <= jnp.arange(T)[:, None]
+    q: [T, H_I, d_I], w: f32[T, H_I] (the indexer's outputs for the queries), k: [L, d_I]
+    (its keys at positions 0..L-1), p: f32[T, L] target rows (distributions over s <= t),
+    q_positions: i32[T], the queries' positions (default 0..T-1; a teacher cache's sampled
+    rows) -> f32 scalar >= 0. Differentiable w.r.t. q, w, k (the XLA scoring path: a Pallas
+    kernel has no VJP)."""
+    if q_positions is None:
+        q_positions = jnp.arange(q.shape[0])
+    scores = index_scores(q, w, k, causal=False, backend="xla")
+    visible = jnp.arange(k.shape[0])[None, :] <= q_positions[:, None]
+    scores = jnp.where(visible, scores, -jnp.inf)
     log_q = jnp.where(visible, jax.nn.log_softmax(scores, axis=-1), 0.0)
     log_p = jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), 0.0)
     return jnp.mean(jnp.sum(p * (log_p - log_q), axis=-1))
@@ -113,13 +124,43 @@ def indexer_kl_loss(model, batch, *, remat=False):
     return jnp.mean(jnp.stack(kls))
 
 
+def cached_indexer_kl_loss(model, window):
+    """The warm-up's KL on a teacher-cache window (experiments.training.teacher): the same
+    loss at the window's sampled query rows, without running the model.
+
+    window: hidden [n_full, T, d] (each full layer's indexer input, in layer order),
+    target f32/bf16[n_layers, R, T] (each layer's head-summed dense attention at the rows),
+    rows i32[R], and query_hidden [n_full, T, q_dim] when the indexer reads one -> KL
+    averaged over rows and layers. A shared layer's target trains the indexer of the full
+    layer whose selection it attends to. Gradients reach only the indexers' parameters."""
+    config = model.config
+    dtype = jnp.dtype(config.dtype)
+    full = [i for i in range(config.n_layers) if not config.layer_is_shared(i)]
+    rows = window["rows"]
+    positions = jnp.arange(window["hidden"].shape[1])
+    query_hidden = window.get("query_hidden")
+    outputs = {}
+    for slot, layer in enumerate(full):
+        outputs[layer] = model.layers[layer].indexer(
+            window["hidden"][slot].astype(dtype), positions, query_rows=rows,
+            query_hidden=None if query_hidden is None else query_hidden[slot].astype(dtype))
+    kls = []
+    for layer in range(config.n_layers):
+        p = window["target"][layer].astype(jnp.float32)
+        p = p / jnp.sum(p, axis=-1, keepdims=True)  # bf16 rows sum to 1 only to 3 digits
+        kls.append(indexer_kl(*outputs[config.selection_source(layer)], p, rows))
+    return jnp.mean(jnp.stack(kls))
+
+
 def stage_loss(stage, *, remat=False):
     """The loss(model, batch) of a stage."""
     if stage in LM_STAGES:
         return functools.partial(lm_loss, remat=remat)
     if stage == "indexer_warmup":
         return functools.partial(indexer_kl_loss, remat=remat)
-    raise ValueError(f"unknown stage {stage!r}; choose one of {STAGES}")
+    if stage == "indexer_cached":
+        return cached_indexer_kl_loss
+    raise ValueError(f"unknown stage {stage!r}; choose one of {LOSS_STAGES}")
 
 
 # ------------------------------------------------------------------- optimisation
@@ -153,8 +194,8 @@ def make_optimizer(*, b1=0.9, b2=0.95, eps=1e-8, weight_decay=0.1, clip=1.0):
 
 def trainable_of(stage, main, indexer):
     """-> (trainable, frozen) parameter states of a stage."""
-    if stage not in STAGES:
-        raise ValueError(f"unknown stage {stage!r}; choose one of {STAGES}")
+    if stage not in LOSS_STAGES:
+        raise ValueError(f"unknown stage {stage!r}; choose one of {LOSS_STAGES}")
     return (main, indexer) if stage in LM_STAGES else (indexer, main)
 
 

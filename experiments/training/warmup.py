@@ -108,6 +108,73 @@ def previous_stages(directory):
     return [*log.pop("previous", []), log]
 
 
+def indexer_optimization(model, stage, work):
+    """An indexer stage's optimisation (AdamW without weight decay, clipping 1.0; the base
+    frozen) -> (graphdef, trainable, frozen, rest, opt_state, train step, eval loss); the
+    optimizer state resumed from WORK/opt.npz when there."""
+    tx = ts.make_optimizer(weight_decay=0.0, clip=1.0)
+    graphdef, main_p, idx_p, rest = ts.split_model(model)
+    trainable, frozen = ts.trainable_of(stage, main_p, idx_p)
+    opt_state = tx.init(trainable)
+    if (work / "opt.npz").is_file():
+        opt_state = _unflat_opt(opt_state, np.load(work / "opt.npz"))
+    return (graphdef, trainable, frozen, rest, opt_state, ts.make_train_step(graphdef, stage, tx),
+            ts.make_eval_loss(graphdef, stage))
+
+
+def open_stage(work, weights, model, init, fresh):
+    """A stage's record, with `model`'s indexer set to match: resumed from WORK/record.json
+    (the indexer from the folder `weights`), else `fresh` starting from the indexer of a
+    finished stage `init` (None: fresh indexers) and carrying its stages' records."""
+    if (work / "record.json").is_file():
+        load_indexer_weights(weights, model)
+        record = json.loads((work / "record.json").read_text())
+        record.setdefault("previous", [])  # work folders written before stages existed
+        print(f"resuming from {work} at step {record['step']}")
+        return record
+    record = dict(fresh, previous=[])
+    if init:
+        load_indexer_weights(init, model)
+        record["previous"] = previous_stages(init)
+        print(f"starting from the indexer of {init} ({len(record['previous'])} earlier "
+              "stage(s))")
+    return record
+
+
+def add_runtime_arguments(p):
+    """The run-time defaults a stage records in OUT/dsa.json beside its weights."""
+    p.add_argument("--top-k", type=int, default=1024,
+                   help="top_k recorded as the retrofit's run-time default")
+    p.add_argument("--dense-layers", default="",
+                   help="layers recorded as kept dense, e.g. 0,1 (run-time default)")
+    p.add_argument("--hierarchical", default="", metavar="FIELD=VALUE,...",
+                   help="HierarchicalConfig fields recorded as the run-time default, e.g. "
+                        "candidate_tokens=4096 (rerunning a finished command with other "
+                        "run-time defaults rewrites OUT/dsa.json without training)")
+
+
+def ship_stage(out, model, args, pre, summary, record):
+    """Writes a finished stage: OUT/indexer.safetensors + dsa.json (the run-time config of
+    args' --top-k / --dense-layers / --hierarchical, the base file, the stage's summary and
+    its earlier stages'), warmup_log.json (the summary with the train curve and the earlier
+    stages' logs: what `--init OUT` of a next stage reads) and warmup_curve.png."""
+    dense_layers = tuple(int(x) for x in args.dense_layers.split(",") if x.strip())
+    hier = parse_hierarchical(args.hierarchical, model.config.hierarchical)
+    final = model.config.replace(attention="sparse", top_k=args.top_k, dense_layers=dense_layers,
+                                 hierarchical=hier)
+    base = dict(name=args.model if args.model in PRETRAINED else None,
+                file=pathlib.Path(pre.info["path"]).name, sha256=file_sha256(pre.info["path"]))
+    if args.model in PRETRAINED:
+        src = PRETRAINED[args.model]
+        base.update(package=f"{src.package}=={src.version}", member=src.member)
+    stages = [{k: v for k, v in st.items() if k != "train"} for st in record["previous"]]
+    save_indexer_weights(out, model, base=base, config=final,
+                         metadata=dict(warmup=dict(summary, previous_stages=stages)))
+    log = dict(summary, train=record["train"], previous=record["previous"])
+    (pathlib.Path(out) / "warmup_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    plot_curve(record, pathlib.Path(out) / "warmup_curve.png")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m",
@@ -127,35 +194,17 @@ def main(argv=None):
                    help="resume state folder (default: OUT.work); one per stage")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop (resumably) after this much wall time")
-    p.add_argument("--top-k", type=int, default=1024,
-                   help="top_k recorded as the retrofit's run-time default")
-    p.add_argument("--dense-layers", default="",
-                   help="layers recorded as kept dense, e.g. 0,1 (run-time default)")
-    p.add_argument("--hierarchical", default="", metavar="FIELD=VALUE,...",
-                   help="HierarchicalConfig fields recorded as the run-time default, e.g. "
-                        "candidate_tokens=4096 (rerunning a finished command with other "
-                        "run-time defaults rewrites OUT/dsa.json without training)")
+    add_runtime_arguments(p)
     args = p.parse_args(argv)
     enable_compile_cache()
     t0 = time.monotonic()
     out = pathlib.Path(args.out)
     work = pathlib.Path(args.work) if args.work else out.with_name(out.name + ".work")
-    dense_layers = tuple(int(x) for x in args.dense_layers.split(",") if x.strip())
 
     pre = load_pretrained(args.model, indexer_dir=None, seed=args.seed, attention="dense")
     model, tok = pre.model, pre.tokenizer
-    if (work / "record.json").is_file():
-        load_indexer_weights(work, model)
-        record = json.loads((work / "record.json").read_text())
-        record.setdefault("previous", [])  # work folders written before stages existed
-        print(f"resuming from {work} at step {record['step']}")
-    else:
-        record = dict(step=0, train=[], heldout=[], wall_s=0.0, tokens=0, previous=[])
-        if args.init:
-            load_indexer_weights(args.init, model)
-            record["previous"] = previous_stages(args.init)
-            print(f"starting from the indexer of {args.init} "
-                  f"({len(record['previous'])} earlier stage(s))")
+    record = open_stage(work, work, model, args.init,
+                        dict(step=0, train=[], heldout=[], wall_s=0.0, tokens=0))
     record["seq_len"] = args.seq_len
     record["title"] = (f"{args.model}: indexer warm-up, {args.seq_len} tokens/step, "
                        f"{platform.machine()} {jax.devices()[0].platform}")
@@ -167,14 +216,8 @@ def main(argv=None):
     print(f"train tokens {tokens.shape[0]:,} from {len(train_names)} documents; held-out "
           f"window {heldout.shape[1]} tokens of the pydoc text")
 
-    tx = ts.make_optimizer(weight_decay=0.0, clip=1.0)
-    graphdef, main_p, idx_p, rest = ts.split_model(model)
-    trainable, frozen = ts.trainable_of("indexer_warmup", main_p, idx_p)
-    opt_state = tx.init(trainable)
-    if (work / "opt.npz").is_file():
-        opt_state = _unflat_opt(opt_state, np.load(work / "opt.npz"))
-    step_fn = ts.make_train_step(graphdef, "indexer_warmup", tx)
-    eval_fn = ts.make_eval_loss(graphdef, "indexer_warmup")
+    graphdef, trainable, frozen, rest, opt_state, step_fn, eval_fn = indexer_optimization(
+        model, "indexer_warmup", work)
     n_params = sum(x.size for x in jax.tree.leaves(trainable))
     print(f"trainable indexer params {n_params:,}; base frozen")
 
@@ -226,14 +269,6 @@ def main(argv=None):
         print(f"stopped by {stopped} at step {record['step']}/{args.steps}; rerun the same "
               f"command to continue from {work}")
         return
-    hier = parse_hierarchical(args.hierarchical, model.config.hierarchical)
-    final = model.config.replace(attention="sparse", top_k=args.top_k, dense_layers=dense_layers,
-                                 hierarchical=hier)
-    base = dict(name=args.model if args.model in PRETRAINED else None,
-                file=pathlib.Path(pre.info["path"]).name, sha256=file_sha256(pre.info["path"]))
-    if args.model in PRETRAINED:
-        src = PRETRAINED[args.model]
-        base.update(package=f"{src.package}=={src.version}", member=src.member)
     train_kl = [k for _, k in record["train"]]
     summary = dict(
         command="python -m experiments.training.warmup " + shlex.join(sys.argv[1:] if argv is None
@@ -244,12 +279,7 @@ def main(argv=None):
         train_kl_first10=round(float(np.mean(train_kl[:10])), 4),
         train_kl_last10=round(float(np.mean(train_kl[-10:])), 4),
         heldout_kl=record["heldout"])
-    stages = [{k: v for k, v in st.items() if k != "train"} for st in record["previous"]]
-    save_indexer_weights(out, model, base=base, config=final,
-                         metadata=dict(warmup=dict(summary, previous_stages=stages)))
-    log = dict(summary, train=record["train"], previous=record["previous"])
-    (out / "warmup_log.json").write_text(json.dumps(log, indent=1) + "\n")
-    plot_curve(record, out / "warmup_curve.png")
+    ship_stage(out, model, args, pre, summary, record)
     print(json.dumps(summary, indent=1))
     print(f"wrote {out}")
 

@@ -180,6 +180,24 @@ def test_baselines_are_computed_once_and_reused_only_when_they_match(tiny, tmp_p
     saved = json.loads((tmp_path / "copy_256.json").read_text())
     assert saved["methods"]["dense"]["sequences"] == 3
     assert saved["methods"]["oracle"]["sequences"] == 2  # untouched
+    # A pass stopped part way has written the sequences it finished.
+    from experiments.evaluation import probe_runs
+    calls, score_probes = [], probe_runs.score_probes
+
+    def stop_after_one(*a):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return score_probes(*a)
+
+    stopped = tmp_path / "stopped"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(probe_runs, "score_probes", stop_after_one)
+        with pytest.raises(KeyboardInterrupt):
+            ev.retrieval(*args3, 0, logs.append, ("dense",), (stopped, key(), True, "t"))
+    saved = json.loads((stopped / "copy_256.json").read_text())
+    assert saved["methods"]["dense"]["sequences"] == 1
+    assert saved["methods"]["dense"]["scores"] == fresh["dense"]["scores"][:2]
     other = ev.retrieval(*args, 1, logs.append, ("dense",), (tmp_path, key(seed=1), False, ""))
     assert other["dense"]["source"] == "computed" and any("seed 0 != 1" in x for x in logs)
     small = ev.with_config(pre.model, pre.model.config.replace(top_k=16))

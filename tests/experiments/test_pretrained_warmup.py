@@ -8,16 +8,13 @@ import pytest
 from safetensors.numpy import load_file
 
 from experiments.training import warmup
-from tests.pretrained_files import make_tiny_checkpoints
+from tests.pretrained_files import tiny_training_setup
 
 
 @pytest.mark.slow  # two tiny warm-up runs with their compilations
 def test_second_stage_starts_from_the_first_and_keeps_its_record(tmp_path, monkeypatch):
-    make_tiny_checkpoints(tmp_path)
-    monkeypatch.setenv("DOSA_CACHE_DIR", str(tmp_path / "cache"))
-    few = warmup.list_documents()[:40]
-    monkeypatch.setattr(warmup, "list_documents", lambda: few)
-    gguf, out = str(tmp_path / "tiny.gguf"), tmp_path / "indexer"
+    gguf = tiny_training_setup(tmp_path, monkeypatch, warmup)
+    out = tmp_path / "indexer"
     warmup.main(["--model", gguf, "--out", str(out), "--steps", "2", "--seq-len", "64",
                  "--warmup-steps", "1", "--heldout-every", "1"])
     first = load_file(str(out / "indexer.safetensors"))

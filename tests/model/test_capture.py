@@ -55,6 +55,30 @@ def test_captured_indices_are_the_flat_top_k_of_the_captured_indexer_outputs():
         assert np.asarray(got)[0, 1] == -1 and np.asarray(got)[-1].min() >= 0
 
 
+def test_indexer_input_and_target_rows_are_what_a_teacher_cache_keeps():
+    """The captured indexer input reproduces the layer's captured indexer outputs through
+    the layer's own indexer (a shared layer: its full layer's input); the target at
+    capture_rows is those rows of the full target."""
+    model = _model(3, attention="dense", n_layers=3, indexer_types="FSF")
+    toks = jnp.asarray(_tokens(4, 48))
+    rows = jnp.asarray([0, 7, 30, 47])
+    _, full = model.forward(toks, capture=("attention_target",))
+    logits, got = model.forward(toks, capture=("indexer", "indexer_input", "attention_target"),
+                                capture_rows=rows)
+    np.testing.assert_array_equal(logits, model.forward(toks))
+    owner = [0, 0, 2]
+    positions = jnp.arange(48)
+    for i in range(3):
+        np.testing.assert_allclose(got["attention_target"][i], full["attention_target"][i][rows],
+                                   rtol=1e-5, atol=1e-6)
+        src = got["indexer_input"][i]
+        assert src.hidden.shape == (48, model.config.d_model) and src.query_hidden is None
+        np.testing.assert_array_equal(src.hidden, got["indexer_input"][owner[i]].hidden)
+        q, w, k = model.layers[owner[i]].indexer(src.hidden, positions)
+        for a, b in zip((q, w, k), got["indexer"][i]):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_capture_kinds_are_checked():
     with pytest.raises(ValueError, match=r"unknown kinds \['queries'\]"):
         _model(0).forward(jnp.asarray(_tokens(0, 8)), capture=("queries",))

@@ -1,0 +1,283 @@
+"""DSA retrofit of a pretrained model, at the cost of its teacher: the indexer warm-up
+(V3.2's dense stage: KL to the frozen model's head-summed attention) trained on a teacher
+cache, so the frozen model runs once per window, not once per step.
+
+    python -m experiments.training.retrofit --model smollm2-135m --init checkpoints/smollm2-135m \
+        --out runs/retrofit/stage1 --seq-len 8192 --windows 24 --rows 256 --epochs 8 \
+        --time-budget-s 5400
+
+1. Teacher (experiments.training.teacher): --windows windows of --seq-len tokens of the
+   training corpus, a --repeat-share of them with spans repeated at random distances; per
+   window one dense forward of the frozen model keeps every full layer's indexer input and
+   every layer's attention at --rows stratified query rows (bfloat16, in WORK/teacher; a
+   rerun reuses what is there). The held-out window (the pydoc text at the warm-up's
+   held-out offset) gets --heldout-rows rows.
+2. Train: all layers' indexers on the cached windows, one window per step, epochs in a
+   seeded order, AdamW (no weight decay) with warm-up and cosine decay over the planned
+   steps; after each epoch the held-out KL at the cached rows decides: the best epoch's
+   weights are kept, and --patience epochs without improvement stop the stage.
+3. Ship: OUT/indexer.safetensors, dsa.json, warmup_log.json, warmup_curve.png in the
+   warm-up's formats (experiments.training.warmup.ship_stage), so a next stage takes
+   `--init OUT` and the evaluation `--indexer-dir OUT`; the record adds the teacher and
+   training wall times, the cache size, the cost per million teacher tokens and the
+   warm-up's exact held-out KL (every query) at 2048 and --seq-len tokens.
+
+Resumable: WORK (default OUT.work) keeps the cache, the last and best weights, the optimizer
+state and the record after each epoch; rerunning the same command continues.
+"""
+
+import argparse
+import dataclasses
+import json
+import math
+import pathlib
+import platform
+import shlex
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from experiments.common import enable_compile_cache
+from experiments.text_corpus import (
+    heldout_text_tokens,
+    list_documents,
+    split_documents,
+    token_stream,
+)
+from experiments.training import steps as ts
+from experiments.training.teacher import (
+    TeacherCache,
+    WindowPlan,
+    fill,
+    make_teacher,
+    stratified_rows,
+    training_window,
+)
+from experiments.training.warmup import (
+    HELDOUT_OFFSET,
+    _flat_opt,
+    add_runtime_arguments,
+    indexer_optimization,
+    open_stage,
+    ship_stage,
+)
+from model.pretrained import (
+    cache_dir,
+    file_sha256,
+    load_indexer_weights,
+    load_pretrained,
+    save_indexer_weights,
+)
+from model.pretrained.registry import PRETRAINED
+
+HELDOUT = "heldout"
+
+
+def window_arrays(entry):
+    """A cache entry as the cached loss takes it (jnp arrays; bf16 stays bf16)."""
+    keys = ("hidden", "target", "rows", "query_hidden")
+    return {k: jnp.asarray(entry[k]) for k in keys if k in entry}
+
+
+def exact_heldout_kl(model, tokenizer, length):
+    """The warm-up's own held-out measure: the KL over every query of the pydoc window at
+    HELDOUT_OFFSET (one full forward of the dense model)."""
+    graphdef, main_p, idx_p, rest = ts.split_model(model)
+    trainable, frozen = ts.trainable_of("indexer_warmup", main_p, idx_p)
+    window = heldout_text_tokens(tokenizer)[HELDOUT_OFFSET:HELDOUT_OFFSET + length][None]
+    kl = float(ts.make_eval_loss(graphdef, "indexer_warmup")(trainable, frozen, rest, window))
+    jax.clear_caches()
+    return kl
+
+
+def parse_span_tokens(text):
+    lo, _, hi = text.partition(",")
+    try:
+        return int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(f"--span-tokens takes LO,HI (token counts), got {text!r}") from None
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m",
+                   help=f"a name ({', '.join(PRETRAINED)}) or a .gguf / HF folder path")
+    p.add_argument("--out", required=True, help="directory of the stage's indexer weights")
+    p.add_argument("--init", default=None, metavar="DIR",
+                   help="start from a finished stage's indexer weights (its --out)")
+    p.add_argument("--work", default=None, metavar="DIR",
+                   help="cache and resume folder (default OUT.work)")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--windows", type=int, default=24, help="teacher windows")
+    p.add_argument("--rows", type=int, default=256, help="query rows kept per window")
+    p.add_argument("--first-row", type=int, default=0,
+                   help="rows are drawn from positions >= this")
+    p.add_argument("--repeat-share", type=float, default=0.5,
+                   help="share of windows with repeated spans")
+    p.add_argument("--spans", type=int, default=8, help="repeated spans per such window")
+    p.add_argument("--span-tokens", default="16,128", metavar="LO,HI")
+    p.add_argument("--heldout-rows", type=int, default=1024)
+    p.add_argument("--epochs", type=int, default=8)
+    p.add_argument("--patience", type=int, default=2,
+                   help="epochs without a better held-out KL before the stage stops")
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--warmup-steps", type=int, default=5)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="stop (resumably) after this much wall time")
+    add_runtime_arguments(p)
+    args = p.parse_args(argv)
+    if args.windows < 1 or args.epochs < 1:
+        p.error("--windows and --epochs must be >= 1")
+    try:
+        plan = WindowPlan(length=args.seq_len, rows=args.rows, first_row=args.first_row,
+                          repeat_share=args.repeat_share, spans=args.spans,
+                          span_tokens=parse_span_tokens(args.span_tokens), seed=args.seed)
+    except ValueError as e:
+        p.error(str(e))
+    if not 1 <= args.heldout_rows <= args.seq_len:
+        p.error(f"--heldout-rows must be in [1, --seq-len = {args.seq_len}], got "
+                f"{args.heldout_rows}")
+    enable_compile_cache()
+    t0 = time.monotonic()
+    out = pathlib.Path(args.out)
+    work = pathlib.Path(args.work) if args.work else out.with_name(out.name + ".work")
+    over = lambda: args.time_budget_s and time.monotonic() - t0 > args.time_budget_s  # noqa
+
+    pre = load_pretrained(args.model, indexer_dir=None, seed=args.seed, attention="dense")
+    model, tok = pre.model, pre.tokenizer
+    record = open_stage(work, work / "last", model, args.init,
+                        dict(epoch=0, step=0, train=[], heldout=[], tokens=0, teacher_s=0.0,
+                             train_s=0.0, best=None))
+    record["seq_len"] = args.seq_len
+    record["title"] = (f"{args.model}: retrofit on a teacher cache, {args.seq_len}-token "
+                       f"windows, {platform.machine()} {jax.devices()[0].platform}")
+
+    # ---- 1. the teacher cache
+    cache = TeacherCache(work / "teacher", dict(
+        plan=dataclasses.asdict(plan), windows=args.windows, heldout_rows=args.heldout_rows,
+        heldout_offset=HELDOUT_OFFSET, model_file=pathlib.Path(pre.info["path"]).name,
+        model_sha256=file_sha256(pre.info["path"])))
+    train_names, _ = split_documents(list_documents())
+    stream = token_stream(tok, train_names, cache=cache_dir() / "corpus")
+
+    def planned():
+        held = heldout_text_tokens(tok)[HELDOUT_OFFSET:HELDOUT_OFFSET + args.seq_len]
+        yield HELDOUT, held, stratified_rows(args.seq_len, args.heldout_rows,
+                                              seed=args.seed + 1_000_003), dict(repeats=[])
+        for i in range(args.windows):
+            tokens, meta = training_window(stream, plan, i)
+            rows = stratified_rows(args.seq_len, args.rows, seed=args.seed * 1_000_003 + i,
+                                   first=args.first_row)
+            yield f"window_{i:05d}", tokens, rows, meta
+
+    teacher = make_teacher(model)
+    for item in planned():
+        record["teacher_s"] += fill(cache, teacher, [item], log=tqdm.write)
+        if over():
+            break
+    names = [f"window_{i:05d}" for i in range(args.windows)]
+    missing = [n for n in [HELDOUT, *names] if not cache.has(n)]
+    if missing:
+        (work / "record.json").write_text(json.dumps(record))
+        save_indexer_weights(work / "last", model, base={})
+        print(f"stopped by the time budget with {len(missing)} teacher windows to go; rerun "
+              f"the same command to continue from {work}")
+        return
+    cache_gb = sum(cache.nbytes(n) for n in names) / 1e9
+    del teacher
+    jax.clear_caches()
+
+    # ---- 2. train the indexers on the cache
+    graphdef, trainable, frozen, rest, opt_state, step_fn, eval_fn = indexer_optimization(
+        model, "indexer_cached", work)
+    held = window_arrays(cache.read(HELDOUT))
+    total = args.epochs * args.windows
+    n_params = sum(x.size for x in jax.tree.leaves(trainable))
+
+    def model_now():
+        return ts.merge_stage(graphdef, "indexer_cached", trainable, frozen, rest)
+
+    if not record["heldout"]:
+        record["heldout"].append([0, float(eval_fn(trainable, frozen, rest, held))])
+        record["best"] = [0, record["heldout"][-1][1]]
+        save_indexer_weights(work / "best", model_now(), base={})
+        print(f"held-out KL ({args.heldout_rows} rows) before training: "
+              f"{record['heldout'][-1][1]:.4f}")
+    stopped = "epochs"
+    while record["epoch"] < args.epochs:
+        if record["epoch"] - record["best"][0] // args.windows >= args.patience:
+            stopped = "patience"
+            break
+        if over():
+            stopped = "time budget"
+            break
+        epoch = record["epoch"]
+        order = np.random.default_rng([args.seed, 31, epoch]).permutation(args.windows)
+        start = time.monotonic()
+        for i in tqdm(order, desc=f"epoch {epoch + 1}/{args.epochs}", unit="window"):
+            entry = cache.read(names[i])
+            lr = float(ts.lr_schedule(record["step"], total, peak=args.lr,
+                                      warmup=args.warmup_steps, final_frac=0.1))
+            trainable, opt_state, metrics = step_fn(trainable, opt_state, frozen, rest,
+                                                    window_arrays(entry), lr)
+            kl = float(metrics["loss"])
+            if not math.isfinite(kl):
+                raise FloatingPointError(f"KL is {kl} at step {record['step'] + 1}")
+            record["step"] += 1
+            record["tokens"] += args.seq_len
+            record["train"].append([record["step"], round(kl, 5)])
+        record["train_s"] += time.monotonic() - start
+        record["epoch"] += 1
+        kl = float(eval_fn(trainable, frozen, rest, held))
+        record["heldout"].append([record["step"], kl])
+        better = kl < record["best"][1]
+        if better:
+            record["best"] = [record["step"], kl]
+            save_indexer_weights(work / "best", model_now(), base={})
+        save_indexer_weights(work / "last", model_now(), base={})
+        np.savez(work / "opt.npz", **_flat_opt(opt_state))
+        (work / "record.json").write_text(json.dumps(record))
+        tqdm.write(f"epoch {record['epoch']}: held-out KL {kl:.4f}"
+                   + (" (best)" if better else f" (best {record['best'][1]:.4f})"))
+    if stopped == "time budget":
+        print(f"stopped by the time budget after epoch {record['epoch']}; rerun the same "
+              f"command to continue from {work}")
+        return
+
+    # ---- 3. ship the best epoch's indexer
+    model = model_now()
+    load_indexer_weights(work / "best", model)
+    exact = {L: round(exact_heldout_kl(model, tok, L), 5) for L in sorted({2048, args.seq_len})}
+    print(f"exact held-out KL (every query): {exact}")
+    train_kl = [k for _, k in record["train"]]
+    teacher_tokens = args.windows * args.seq_len
+    summary = dict(
+        command="python -m experiments.training.retrofit " + shlex.join(
+            sys.argv[1:] if argv is None else argv),
+        recipe="teacher cache", steps=record["step"], seq_len=args.seq_len,
+        tokens=record["tokens"], teacher_tokens=teacher_tokens,
+        wall_s=round(record["teacher_s"] + record["train_s"], 1),
+        teacher_s=round(record["teacher_s"], 1), train_s=round(record["train_s"], 1),
+        cost_s_per_million_teacher_tokens=round(
+            (record["teacher_s"] + record["train_s"]) / teacher_tokens * 1e6, 1),
+        cache_gb=round(cache_gb, 2), windows=args.windows, rows=args.rows,
+        repeat_share=args.repeat_share, epochs=record["epoch"], stopped_by=stopped,
+        best_step=record["best"][0],
+        hardware=f"{platform.machine()}, {jax.devices()[0].device_kind}",
+        trainable_params=n_params, lr=args.lr,
+        train_kl_first10=round(float(np.mean(train_kl[:10])), 4),
+        train_kl_last10=round(float(np.mean(train_kl[-10:])), 4),
+        heldout_kl=record["heldout"], heldout_kl_note=f"{args.heldout_rows} stratified rows",
+        heldout_kl_exact=exact)
+    ship_stage(out, model, args, pre, summary, record)
+    print(json.dumps({k: v for k, v in summary.items() if k != "heldout_kl"}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
