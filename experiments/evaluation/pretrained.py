@@ -48,7 +48,7 @@ from experiments.evaluation.baselines import DEFAULT_DIR, baseline_key
 from experiments.evaluation.evaluate import target_nll
 from experiments.evaluation.metrics import pair_metrics, selection_metrics, selections_on_captured
 from experiments.evaluation.probe_runs import METHODS, method_config, retrieval
-from experiments.evaluation.retrieval import KINDS
+from experiments.evaluation.retrieval import KINDS, mean_interval
 from experiments.text_corpus import heldout_text_tokens
 from model import ModelRunner, with_config
 
@@ -152,8 +152,11 @@ def evaluate_length(model, tokenizer, text_tokens, L, *, queries, probe_sequence
             f"{len(windows)} windows ({out['methods'][method]['wall_s']} s)")
     d = out["methods"]["dense"]["perplexity"]
     for method in methods[1:]:
-        out["methods"][method]["ppl_vs_dense"] = round(out["methods"][method]["perplexity"] / d
-                                                       - 1, 6)
+        m = out["methods"][method]
+        m["ppl_vs_dense"] = round(m["perplexity"] / d - 1, 6)
+        if len(windows) > 1:
+            m["ppl_vs_dense_ci95"] = [round(x, 6) for x in window_gap_interval(
+                out["methods"]["dense"]["perplexity_by_window"], m["perplexity_by_window"])]
     # windows of equal length: the means over positions are means of the windows' means
     out["pairs"] = {k: dict(agreement=round(float(np.mean([w[k]["agreement"]
                                                            for w in window_pairs])), 6),
@@ -168,6 +171,14 @@ def evaluate_length(model, tokenizer, text_tokens, L, *, queries, probe_sequence
         out["retrieval"] = retrieval(model, tokenizer, text_tokens, L, probe, probe_sequences,
                                      per_sequence, seed, log, methods, baselines)
     return out
+
+
+def window_gap_interval(dense_by_window, method_by_window):
+    """The 95% interval of a method's perplexity gap to dense from paired windows: the mean
+    over windows of log(ppl_method / ppl_dense), normal interval, mapped back to a ratio - 1
+    (windows of equal length, so the mean log ratio is the log of the overall ratio)."""
+    _, (lo, hi) = mean_interval(np.log(method_by_window) - np.log(dense_by_window))
+    return float(np.expm1(lo)), float(np.expm1(hi))
 
 
 def _probe_cell(e):
@@ -187,8 +198,11 @@ def _table_row(r):
     def ppl(method):
         if method not in m:
             return "-"
-        gap = m[method].get("ppl_vs_dense")
-        return f"{m[method]['perplexity']:.3f}" + (f" ({gap:+.2%})" if gap is not None else "")
+        gap, ci = m[method].get("ppl_vs_dense"), m[method].get("ppl_vs_dense_ci95")
+        cell = f"{m[method]['perplexity']:.3f}"
+        if gap is not None:
+            cell += f" ({gap:+.2%}" + (f" [{ci[0]:+.2%}, {ci[1]:+.2%}]" if ci else "") + ")"
+        return cell
 
     def agree(pair):
         return f"{pairs[pair]['agreement']:.4f}" if pair in pairs else "-"

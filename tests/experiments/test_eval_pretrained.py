@@ -261,3 +261,14 @@ def test_quick_proxy_reuses_the_dense_baseline(tiny, tmp_path):
     assert two["copy"][0]["dense_source"] == "baseline"
     assert one["copy"][0]["vs_dense"] == two["copy"][0]["vs_dense"]
     assert one["heldout_kl"]["kl"] == two["heldout_kl"]["kl"] > 0
+
+
+def test_window_gap_interval_pairs_windows():
+    dense = [9.0, 6.0, 7.5, 8.0]
+    same_gap = [x * 1.02 for x in dense]  # +2% in every window: no spread
+    lo, hi = ev.window_gap_interval(dense, same_gap)
+    assert lo == pytest.approx(0.02) and hi == pytest.approx(0.02)
+    lo, hi = ev.window_gap_interval(dense, [9.0, 6.0 * 1.04, 7.5, 8.0 * 1.01])
+    assert lo < 0.0125 < hi  # the mean log gap sits inside; spread widens it
+    lo, hi = ev.window_gap_interval(dense, [9.9, 6.0, 7.5, 8.0])  # one window only
+    assert lo < 0 < hi
