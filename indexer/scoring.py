@@ -7,7 +7,17 @@ import jax.numpy as jnp
 
 import pallas_kernels
 
-DEFAULT_QUERY_CHUNK = 512
+# Queries scored per step when the caller does not say. The xla path writes its per-head
+# logits [rows, H_I, L] f32 (and their ReLU) before summing the heads, so on CPU small steps
+# win: flat_topk on the 2-core CPU at 8K-64K, top_k 256 and 1024, is fastest at 64 rows or
+# within noise of it at every length (64K, 1024 queries: 1.06 s and 146 MiB peak at 64 rows
+# against 1.72 s and 1042 MiB at 512; runs/ profiling, docs/findings.md), and rows shrink
+# further at long context so the logits stay within XLA_SCORE_BYTES. The Pallas kernels
+# keep only [rows, L] and want rows for parallelism: PALLAS_QUERY_CHUNK.
+XLA_QUERY_CHUNK = 64
+XLA_MIN_QUERY_CHUNK = 8
+XLA_SCORE_BYTES = 64 << 20
+PALLAS_QUERY_CHUNK = 512
 
 
 def index_scores(q, w, k, *, q_offset=0, backend=None):
@@ -45,6 +55,20 @@ def _check_topk(top_k):
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
 
 
+def default_query_chunk(key_len, heads, backend=None):
+    """Queries per scoring step for keys of length key_len (the comment above
+    XLA_QUERY_CHUNK): a power of two."""
+    if pallas_kernels.resolve_backend(backend) != "xla":
+        return PALLAS_QUERY_CHUNK
+    fit = XLA_SCORE_BYTES // (4 * heads * max(key_len, 1))
+    return max(XLA_MIN_QUERY_CHUNK, min(XLA_QUERY_CHUNK, 1 << max(fit.bit_length() - 1, 0)))
+
+
+def _check_query_chunk(query_chunk):
+    if query_chunk is not None and (not isinstance(query_chunk, int) or query_chunk < 1):
+        raise ValueError(f"query_chunk must be None or a positive int, got {query_chunk!r}")
+
+
 def query_chunks(q, w, q_offset, query_chunk):
     """q [T, H, d], w [T, H] zero-padded into chunks of min(query_chunk, T) rows ->
     (q [n, chunk, H, d], w [n, chunk, H], each chunk's first position i32[n])."""
@@ -58,14 +82,18 @@ def query_chunks(q, w, q_offset, query_chunk):
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "query_chunk", "backend"))
-def flat_topk(q, w, k, top_k, *, q_offset=0, query_chunk=DEFAULT_QUERY_CHUNK, backend=None):
+def flat_topk(q, w, k, top_k, *, q_offset=0, query_chunk=None, backend=None):
     """Exact top_k keys per query by flat index scores -> i32[T, top_k], best first.
 
-    Scores query chunks of `query_chunk` rows at a time, so memory is O(query_chunk * L),
-    never [T, L]. -1 where fewer than top_k keys are visible (s <= q_offset + t).
+    Scores query chunks of `query_chunk` rows at a time (None: default_query_chunk), so
+    memory is O(query_chunk * L), never [T, L]. -1 where fewer than top_k keys are visible
+    (s <= q_offset + t).
     """
     _check_topk(top_k)
+    _check_query_chunk(query_chunk)
     T = q.shape[0]
+    if query_chunk is None:
+        query_chunk = default_query_chunk(k.shape[0], q.shape[1], backend)
     qp, wp, starts = query_chunks(q, w, q_offset, query_chunk)
     n_chunks, chunk = qp.shape[:2]
 

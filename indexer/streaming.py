@@ -23,8 +23,9 @@ import jax.numpy as jnp
 
 from indexer.config import STREAMING_KEY_TILE
 from indexer.scoring import (
-    DEFAULT_QUERY_CHUNK,
+    _check_query_chunk,
     _check_topk,
+    default_query_chunk,
     index_scores,
     query_chunks,
     signless_zeros,
@@ -68,21 +69,25 @@ def _tile_merge(values, tokens, scores, first_token):
 
 @functools.partial(jax.jit, static_argnames=("top_k", "key_tile", "query_chunk", "backend"))
 def streaming_topk(q, w, k, top_k, *, q_offset=0, key_tile=STREAMING_KEY_TILE,
-                   query_chunk=DEFAULT_QUERY_CHUNK, backend=None):
+                   query_chunk=None, backend=None):
     """flat_topk's result (i32[T, top_k], best first, -1 where fewer than top_k keys are
     visible) without a [T, L] score matrix: see the module docstring.
 
     q [T, H_I, d_I], w [T, H_I], k [L, d_I]; query i sits at position q_offset + i (a
     traced int32 scalar is fine). key_tile: keys scored per step (the last tile is
-    padded; padded keys are never visible).
+    padded; padded keys are never visible). query_chunk: queries per step (None:
+    indexer.scoring.default_query_chunk for one key tile).
     """
     _check_topk(top_k)
+    _check_query_chunk(query_chunk)
     if not isinstance(key_tile, int) or key_tile < 1:
         raise ValueError(f"key_tile must be a positive int, got {key_tile!r}")
     T, L = q.shape[0], k.shape[0]
+    tile = min(key_tile, L)
+    if query_chunk is None:
+        query_chunk = default_query_chunk(tile, q.shape[1], backend)
     qp, wp, starts = query_chunks(q, w, q_offset, query_chunk)
     n_chunks, chunk = qp.shape[:2]
-    tile = min(key_tile, L)
     n_tiles = -(-L // tile)
     kp = jnp.pad(k, ((0, n_tiles * tile - L), (0, 0)))
 

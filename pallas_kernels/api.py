@@ -7,6 +7,7 @@ through the functions here.
 """
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.gathered_index_scores import (
     gathered_index_scores_pallas,
@@ -69,12 +70,43 @@ def gathered_index_scores(q, w, k, block_table, *, block_size, q_offset=0, backe
 MASKED_MIN_SHARE = 1 / 4  # measured: a win at 2K and 4K with top_k 1024, a loss at 8K
 
 
+# The xla backend attends XLA_ATTENTION_ROWS queries at a time (fewer, a power of two, where
+# its per-query temporaries would pass XLA_ATTENTION_BYTES): whole-prefill-chunk temporaries
+# were the largest buffers of a sparse prefill step (1024 queries x 256 gathered tokens:
+# 128 MiB of K and V rows at 64K, more than the streaming selection's scores), and chunks
+# are faster on CPU too (docs/design.md, "Query steps on the xla path").
+XLA_ATTENTION_ROWS = 256
+XLA_ATTENTION_BYTES = 32 << 20
+
+
 def sparse_attention(q, k, v, indices, *, scale=None, backend=None):
     """q [T, H, D], k [L, H_kv, D], v [L, H_kv, Dv], indices i32[T, K] -> [T, H, Dv]."""
     backend = resolve_backend(backend)
     if backend == "xla":
-        if indices.shape[1] >= MASKED_MIN_SHARE * k.shape[0]:
-            return sparse_attention_masked(q, k, v, indices, scale=scale)
-        return sparse_attention_reference(q, k, v, indices, scale=scale)
+        T, H = q.shape[:2]
+        (L, H_kv, D), Dv = k.shape, v.shape[-1]
+        if indices.shape[1] >= MASKED_MIN_SHARE * L:
+            attend, row_bytes = sparse_attention_masked, 4 * L * (3 * H + 1)
+        else:
+            attend, row_bytes = sparse_attention_reference, 4 * indices.shape[1] * (
+                H_kv * (D + Dv) + 2 * H)
+        fit = max(1, XLA_ATTENTION_BYTES // row_bytes)
+        rows = min(XLA_ATTENTION_ROWS, 1 << (fit.bit_length() - 1))
+        return _over_query_rows(lambda qc, ic: attend(qc, k, v, ic, scale=scale),
+                                q, indices, rows)
     return sparse_attention_pallas(q, k, v, indices, scale=scale,
                                    interpret=_interpret(backend))
+
+
+def _over_query_rows(attend, q, indices, rows):
+    """attend(q, indices) over chunks of `rows` queries (lax.map); padded rows select
+    nothing and are dropped."""
+    T = q.shape[0]
+    if T <= rows:
+        return attend(q, indices)
+    n = -(-T // rows)
+    pad = n * rows - T
+    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(n, rows, *q.shape[1:])
+    ip = jnp.pad(indices, ((0, pad), (0, 0)), constant_values=-1).reshape(n, rows, -1)
+    out = jax.lax.map(lambda a: attend(*a), (qp, ip))
+    return out.reshape(n * rows, *out.shape[2:])[:T]

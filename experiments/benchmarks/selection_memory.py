@@ -1,6 +1,9 @@
 """Memory and time of flat selection with and without the [queries x context] score matrix:
 the flat kind (lax.top_k over each query chunk's full score rows) against the streaming
-kind (indexer.streaming: key tiles merged into a running top_k), side by side.
+kind (indexer.streaming: key tiles merged into a running top_k), side by side, and the flat
+kind as it ran before the xla path's budgeted steps ("flat_512": 512-query scoring steps and
+whole-chunk sparse attention, set through indexer.scoring.XLA_QUERY_CHUNK / XLA_SCORE_BYTES
+and pallas_kernels.api.XLA_ATTENTION_ROWS / XLA_ATTENTION_BYTES while it compiles).
 
     python -m experiments.benchmarks.selection_memory [--context 65536] [--queries 1024]
         [--preset small] [--repeats 3] [--out DIR]
@@ -16,14 +19,18 @@ Writes OUT/selection_memory.json (default runs/selection_memory/).
 """
 
 import argparse
+import contextlib
 import functools
 import pathlib
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import indexer.scoring
+import pallas_kernels.api
 from experiments.benchmarks.support import equal_up_to_ties, median_interleaved, random_inputs
 from experiments.common import add_out_argument, display_path, machine_description, write_json
 from indexer import flat_topk
@@ -31,8 +38,21 @@ from indexer.streaming import streaming_topk
 from model import ModelRunner, Transformer, get_config, init_cache
 from model.buckets import length_bucket
 
-KINDS = ("flat", "streaming")
-SELECT = {"flat": flat_topk, "streaming": streaming_topk}
+KINDS = ("flat_512", "flat", "streaming")
+SELECT = {"flat_512": flat_topk, "flat": flat_topk, "streaming": streaming_topk}
+SELECTION_KIND = {"flat_512": "flat", "flat": "flat", "streaming": "streaming"}
+
+
+def former_defaults(kind):
+    """The constants of the xla path before its budgeted steps, for kind flat_512."""
+    if kind != "flat_512":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(indexer.scoring, "XLA_QUERY_CHUNK", 512))
+    stack.enter_context(mock.patch.object(indexer.scoring, "XLA_SCORE_BYTES", 1 << 60))
+    stack.enter_context(mock.patch.object(pallas_kernels.api, "XLA_ATTENTION_ROWS", 1 << 30))
+    stack.enter_context(mock.patch.object(pallas_kernels.api, "XLA_ATTENTION_BYTES", 1 << 60))
+    return stack
 
 
 def peak_bytes(compiled):
@@ -79,8 +99,11 @@ def main(argv=None):
                        f"--preset {args.preset} --repeats {args.repeats}", kinds={})
     programs = {}
     for kind in KINDS:
-        programs[kind] = selection_program(kind, top_k, offset).lower(q, w, k).compile()
-        step, step_temp = step_peak(config, kind, args.context, args.queries)
+        with former_defaults(kind):
+            programs[kind] = selection_program(kind, top_k, offset).lower(q, w, k).compile()
+            step, step_temp = step_peak(config, SELECTION_KIND[kind], args.context,
+                                        args.queries)
+        jax.clear_caches()  # jit caches traces: no kind may reuse another's constants
         out["kinds"][kind] = dict(selection_peak_bytes=peak_bytes(programs[kind]),
                                   step_peak_bytes=step, step_temp_bytes=step_temp)
     seconds = median_interleaved({kind: functools.partial(programs[kind], q, w, k)
@@ -88,24 +111,30 @@ def main(argv=None):
     got = {kind: np.asarray(programs[kind](q, w, k)) for kind in KINDS}
     for kind in KINDS:
         out["kinds"][kind]["selection_seconds"] = round(seconds[kind], 4)
-    flat, stream = out["kinds"]["flat"], out["kinds"]["streaming"]
-    out["identical_rows"] = int(np.sum(np.all(got["flat"] == got["streaming"], axis=1)))
-    out["equal_up_to_ties"] = bool(equal_up_to_ties(q, w, k, got["streaming"], got["flat"]))
-    out["selection_memory_ratio"] = round(flat["selection_peak_bytes"]
-                                          / stream["selection_peak_bytes"], 2)
-    out["step_memory_ratio"] = round(flat["step_peak_bytes"] / stream["step_peak_bytes"], 2)
-    out["time_ratio_streaming_over_flat"] = round(stream["selection_seconds"]
-                                                  / flat["selection_seconds"], 3)
+    former = out["kinds"]["flat_512"]
+    out["identical_rows"] = {kind: int(np.sum(np.all(got[kind] == got["flat_512"], axis=1)))
+                             for kind in KINDS[1:]}
+    out["equal_up_to_ties"] = {kind: bool(equal_up_to_ties(q, w, k, got[kind],
+                                                           got["flat_512"]))
+                               for kind in KINDS[1:]}
+    # vs flat_512: memory as former / kind (x smaller), time as kind / former
+    out["vs_flat_512"] = {kind: dict(
+        selection_memory=round(former["selection_peak_bytes"]
+                               / out["kinds"][kind]["selection_peak_bytes"], 2),
+        step_memory=round(former["step_peak_bytes"] / out["kinds"][kind]["step_peak_bytes"], 2),
+        time=round(out["kinds"][kind]["selection_seconds"] / former["selection_seconds"], 3))
+        for kind in KINDS[1:]}
     for kind in KINDS:
         r = out["kinds"][kind]
         print(f"{kind:>9}: selection peak {r['selection_peak_bytes'] / 2**20:8.1f} MiB, "
               f"chunk step peak {r['step_peak_bytes'] / 2**20:8.1f} MiB "
               f"(temporaries {r['step_temp_bytes'] / 2**20:.1f}), "
               f"selection {r['selection_seconds']:.3f} s")
-    print(f"memory flat / streaming: selection {out['selection_memory_ratio']}x, chunk step "
-          f"{out['step_memory_ratio']}x; time streaming / flat "
-          f"{out['time_ratio_streaming_over_flat']}; rows identical "
-          f"{out['identical_rows']}/{args.queries}, equal up to ties {out['equal_up_to_ties']}")
+    for kind, r in out["vs_flat_512"].items():
+        print(f"{kind} vs flat_512: memory {r['selection_memory']}x less (selection), "
+              f"{r['step_memory']}x less (chunk step); time {r['time']}x; rows identical "
+              f"{out['identical_rows'][kind]}/{args.queries}, equal up to ties "
+              f"{out['equal_up_to_ties'][kind]}")
     path = pathlib.Path(args.out) / "selection_memory.json"
     write_json(path, out)
     print(f"wrote {display_path(path)}")

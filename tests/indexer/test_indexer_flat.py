@@ -52,3 +52,28 @@ def test_recall_and_iou_on_hand_made_example():
     sel = np.array([[0, 1, 9, 8], [5, 4, 7, -1]])
     assert indexer.recall(sel, ref) == pytest.approx((2 / 4 + 2 / 2) / 2)
     assert indexer.iou(sel, ref) == pytest.approx((2 / 6 + 2 / 3) / 2)
+
+
+def test_default_query_chunk_follows_the_backend_and_the_score_budget():
+    from indexer.scoring import (
+        PALLAS_QUERY_CHUNK,
+        XLA_MIN_QUERY_CHUNK,
+        XLA_QUERY_CHUNK,
+        XLA_SCORE_BYTES,
+        default_query_chunk,
+    )
+
+    assert default_query_chunk(8192, 4, "xla") == XLA_QUERY_CHUNK
+    assert default_query_chunk(8192, 4, "pallas") == PALLAS_QUERY_CHUNK
+    long = default_query_chunk(1 << 18, 4, "xla")  # the per-head logits fit the budget
+    assert long < XLA_QUERY_CHUNK and long * 4 * 4 * (1 << 18) <= XLA_SCORE_BYTES
+    assert default_query_chunk(1 << 30, 4, "xla") == XLA_MIN_QUERY_CHUNK
+
+
+def test_flat_topk_chunking_does_not_change_the_selection():
+    q, w, k = random_indexer_inputs(11, 70, 300)
+    default = np.asarray(indexer.flat_topk(q, w, k, 24, q_offset=230))
+    np.testing.assert_array_equal(
+        default, np.asarray(indexer.flat_topk(q, w, k, 24, q_offset=230, query_chunk=512)))
+    with pytest.raises(ValueError, match="query_chunk"):
+        indexer.flat_topk(q, w, k, 24, query_chunk=0)

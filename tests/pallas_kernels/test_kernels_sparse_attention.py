@@ -103,3 +103,20 @@ def test_masked_dense_form_equals_the_gather(dtype):
     assert K >= MASKED_MIN_SHARE * L  # the public entry takes the masked form here
     check(pallas_kernels.sparse_attention(q, k, v, idx, backend="xla"), ref, dtype)
     assert not np.asarray(sparse_attention_masked(q, k, v, idx)[2], np.float32).any()
+
+
+@pytest.mark.parametrize("K", [6, 23])  # the gathering form, then the masked one (K >= L/4)
+def test_xla_backend_attends_in_query_row_chunks(monkeypatch, K):
+    """The xla backend's chunks of XLA_ATTENTION_ROWS queries (T not a multiple of them,
+    an empty row among them) give the unchunked reference's outputs."""
+    from pallas_kernels import api
+
+    T, L = 11, 53
+    q, k, v = qkv(9, T, L, 6, 2, 24, 20)
+    idx = selector_indices(10, T, K, L, q_offset=L - T).at[5].set(-1)
+    ref = sparse_attention_reference(q, k, v, idx)
+    monkeypatch.setattr(api, "XLA_ATTENTION_ROWS", 4)
+    out = pallas_kernels.sparse_attention(q, k, v, idx, backend="xla")
+    assert out.shape == ref.shape
+    check(out, ref, jnp.float32)
+    assert not np.asarray(out[5]).any()
