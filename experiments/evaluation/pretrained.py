@@ -47,7 +47,13 @@ from experiments.common import (
 from experiments.evaluation.baselines import DEFAULT_DIR, baseline_key
 from experiments.evaluation.evaluate import target_nll
 from experiments.evaluation.metrics import pair_metrics, selection_metrics, selections_on_captured
-from experiments.evaluation.probe_runs import METHODS, method_config, retrieval
+from experiments.evaluation.probe_runs import (
+    METHODS,
+    check_method,
+    method_config,
+    retrieval,
+    split_method,
+)
 from experiments.evaluation.retrieval import KINDS, mean_interval
 from experiments.text_corpus import heldout_text_tokens
 from model import ModelRunner, with_config
@@ -125,6 +131,9 @@ def evaluate_length(model, tokenizer, text_tokens, L, *, queries, probe_sequence
     pairs = [(a, b) for a, b in (("oracle", "dense"), ("sparse_flat", "dense"),
                                  ("sparse_hier", "dense"), ("sparse_hier", "sparse_flat"))
              if a in methods and b in methods]
+    reusing = [m for m in methods if split_method(m)[1]]  # each beside dense and its base
+    pairs += [(m, ref) for m in reusing for ref in ("dense", split_method(m)[0])
+              if ref in methods]
     for window in windows:
         lps = {}
         for method in methods:
@@ -157,6 +166,13 @@ def evaluate_length(model, tokenizer, text_tokens, L, *, queries, probe_sequence
         if len(windows) > 1:
             m["ppl_vs_dense_ci95"] = [round(x, 6) for x in window_gap_interval(
                 out["methods"]["dense"]["perplexity_by_window"], m["perplexity_by_window"])]
+        base = split_method(method)[0]
+        if method in reusing and base in methods:
+            b = out["methods"][base]
+            m["ppl_vs_base"] = round(m["perplexity"] / b["perplexity"] - 1, 6)
+            if len(windows) > 1:
+                m["ppl_vs_base_ci95"] = [round(x, 6) for x in window_gap_interval(
+                    b["perplexity_by_window"], m["perplexity_by_window"])]
     # windows of equal length: the means over positions are means of the windows' means
     out["pairs"] = {k: dict(agreement=round(float(np.mean([w[k]["agreement"]
                                                            for w in window_pairs])), 6),
@@ -183,11 +199,33 @@ def window_gap_interval(dense_by_window, method_by_window):
 
 def _probe_cell(e):
     cell = f"tokens {e['token_accuracy']:.1%} [{e['token_ci95'][0]:.1%}, {e['token_ci95'][1]:.1%}]"
-    if "token_vs_dense" in e:
-        lo, hi = e["token_vs_dense_ci95"]
-        cell += f" ({e['token_vs_dense']:+.1%} [{lo:+.1%}, {hi:+.1%}])"
+    for field, ref in (("token_vs_dense", ""), ("token_vs_base", " vs its base")):
+        if field in e:
+            lo, hi = e[field + "_ci95"]
+            cell += f" ({e[field]:+.1%} [{lo:+.1%}, {hi:+.1%}]{ref})"
     return cell + (f"; exact {e['correct']}/{e['probes']} = {e['accuracy']:.1%} "
                    f"[{e['ci95'][0]:.1%}, {e['ci95'][1]:.1%}]")
+
+
+def _gap(value, ci):
+    return f"{value:+.2%}" + (f" [{ci[0]:+.2%}, {ci[1]:+.2%}]" if ci else "")
+
+
+def _reuse_rows(r):
+    """Rows of the reuse table for one length: each method with per-layer reuse beside dense
+    and the same method without it (its base)."""
+    m, pairs = r["methods"], r["pairs"]
+    rows = []
+    for method in (x for x in m if split_method(x)[1]):
+        e, base = m[method], split_method(method)[0]
+        vs_base = _gap(e["ppl_vs_base"], e.get("ppl_vs_base_ci95")) if "ppl_vs_base" in e \
+            else "-"
+        agree = [f"{pairs[k]['agreement']:.4f}" if k in pairs else "-"
+                 for k in (f"{method}|dense", f"{method}|{base}")]
+        rows.append(f"| {r['length']} | {method} | {e['perplexity']:.3f} | "
+                    f"{_gap(e['ppl_vs_dense'], e.get('ppl_vs_dense_ci95'))} | {vs_base} | "
+                    + " | ".join(agree) + " |")
+    return rows
 
 
 def _table_row(r):
@@ -200,9 +238,7 @@ def _table_row(r):
             return "-"
         gap, ci = m[method].get("ppl_vs_dense"), m[method].get("ppl_vs_dense_ci95")
         cell = f"{m[method]['perplexity']:.3f}"
-        if gap is not None:
-            cell += f" ({gap:+.2%}" + (f" [{ci[0]:+.2%}, {ci[1]:+.2%}]" if ci else "") + ")"
-        return cell
+        return cell + (f" ({_gap(gap, ci)})" if gap is not None else "")
 
     def agree(pair):
         return f"{pairs[pair]['agreement']:.4f}" if pair in pairs else "-"
@@ -235,6 +271,13 @@ def to_markdown(report):
                   "hier/flat | recall | IoU | mass flat | mass hier | probes dense | flat | hier |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         lines += [_table_row(r) for r in passes]
+        reuse = [row for r in passes for row in _reuse_rows(r)]
+        if reuse:
+            lines += ["", "Per-layer reuse of selections (ModelConfig.indexer_types; freqN: "
+                      "layers 0, N, 2N, ... run their indexer, the others reuse the last one's "
+                      "selection):", "",
+                      "| L | method | ppl | vs dense | vs its base | top-1 vs dense | vs base |",
+                      "|---|---|---|---|---|---|---|"] + reuse
     if selection_only:
         lines += ["", "Selection only (the dense pass's own indexer inputs, last queries):", "",
                   "| L | recall | IoU | mass flat | mass hier | mass hier / flat |",
@@ -245,20 +288,22 @@ def to_markdown(report):
                          f"{s['iou_sparse_layers']:.4f} | {s['mass_flat_sparse_layers']:.4f} | "
                          f"{s['mass_hier_sparse_layers']:.4f} | {s['mass_ratio']:.4f} |")
     if probed:
+        extra = sorted({m for r in probed for m in r["retrieval"] if split_method(m)[1]})
         lines += ["", "Retrieval probes: tokens right (95% interval over sequences; sparse: "
                   "difference to dense on the same sequences), probes right exactly "
                   "(Wilson 95% interval):", "",
-                  "| L | probe | dense | oracle | sparse flat | sparse hier |",
-                  "|---|---|---|---|---|---|"]
+                  "| L | probe | dense | oracle | sparse flat | sparse hier |"
+                  + "".join(f" {m} |" for m in extra),
+                  "|---|---|---|---|---|---|" + "---|" * len(extra)]
         for r in probed:
             pk = r["retrieval"]
-            cells = [_probe_cell(pk[m]) if m in pk else "-" for m in METHODS]
+            cells = [_probe_cell(pk[m]) if m in pk else "-" for m in METHODS + tuple(extra)]
             lines.append(f"| {r['length']} | {pk['kind']} | " + " | ".join(cells) + " |")
     for r in probed:
         pk = r["retrieval"]
         if pk["kind"] != "needle":
             continue
-        shown = [m for m in METHODS if m in pk]
+        shown = [m for m in pk if m in METHODS or split_method(m)[1]]
         lines += ["", f"Needles at L={r['length']} by depth (share of the filler before the "
                   "needle): teacher-forced tokens right / generated exactly", "",
                   "| depth | contexts | " + " | ".join(shown) + " |",
@@ -300,7 +345,10 @@ def main(argv=None):
     p.add_argument("--retrieval-only", action="store_true",
                    help="only the retrieval probes (no perplexity or selection passes)")
     p.add_argument("--methods", default=",".join(METHODS),
-                   help=f"which passes, dense first ({', '.join(METHODS)})")
+                   help=f"which passes, dense first ({', '.join(METHODS)}); a sparse method "
+                        "with per-layer reuse of selections after '@': sparse_flat@freq2 "
+                        "(layers 0, 2, 4, ... run their indexer) or sparse_flat@FSFS... "
+                        "(one letter per layer, F runs its indexer, S reuses)")
     p.add_argument("--no-selection", action="store_true",
                    help="skip the selection statistics (the captured dense pass)")
     p.add_argument("--selection-only", action="store_true",
@@ -319,8 +367,13 @@ def main(argv=None):
     add_out_argument(p, "eval_pretrained")
     args = p.parse_args(argv)
     methods = tuple(x.strip() for x in args.methods.split(",") if x.strip())
-    if not methods or methods[0] != "dense" or not set(methods) <= set(METHODS):
-        p.error(f"--methods must start with dense and name only {', '.join(METHODS)}")
+    if not methods or methods[0] != "dense":
+        p.error(f"--methods must start with dense, then any of {', '.join(METHODS[1:])}")
+    for method in methods:
+        try:
+            check_method(method)
+        except ValueError as e:
+            p.error(f"--methods: {e}")
     t0 = time.monotonic()
     overrides = {}
     if args.top_k is not None:
@@ -337,6 +390,11 @@ def main(argv=None):
     if args.hierarchical:
         hier = parse_hierarchical(args.hierarchical, model.config.hierarchical)
         model = with_config(model, model.config.replace(hierarchical=hier))
+    for method in methods:  # a reuse pattern must fit the model (ModelConfig checks it)
+        try:
+            method_config(model.config, method)
+        except ValueError as e:
+            p.error(f"--methods {method}: {e}")
     lengths = [int(x) for x in args.lengths.split(",")]
     top = max(lengths)
     if top > model.config.max_seq_len:

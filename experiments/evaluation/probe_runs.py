@@ -23,10 +23,40 @@ METHODS = ("dense", "oracle", "sparse_flat", "sparse_hier")
 METHOD_INDEXER = {"oracle": "oracle", "sparse_flat": "flat", "sparse_hier": "hierarchical"}
 
 
+def split_method(method):
+    """"sparse_flat@freq2" -> ("sparse_flat", "freq2"): a sparse method with per-layer reuse
+    of selections (ModelConfig.indexer_types) after the "@"; "" when none."""
+    base, _, reuse = method.partition("@")
+    return base, reuse
+
+
+def reuse_types(reuse):
+    """A method's reuse spelling -> ModelConfig.indexer_types: "freqN" keeps the indexer of
+    layers 0, N, 2N, ... (the others reuse the last kept layer's selection; GLM-5's schedule
+    with offset 1), anything else is an F/S pattern string (F: the layer runs its indexer, S:
+    it reuses)."""
+    if reuse.startswith("freq") and reuse[4:].isdigit():
+        return {"index_topk_freq": int(reuse[4:]), "index_skip_topk_offset": 1}
+    return reuse
+
+
+def check_method(method):
+    """ValueError unless `method` is one of METHODS, or a sparse one with a valid reuse
+    spelling after "@"."""
+    base, reuse = split_method(method)
+    if base not in METHODS or (reuse or "@" in method) and base in ("dense", "oracle"):
+        raise ValueError(f"method must be one of {METHODS}, or a sparse one with reuse after "
+                         f"'@' (sparse_flat@freq2, sparse_flat@FSFS...), got {method!r}")
+    if "@" in method and not reuse:
+        raise ValueError(f"method {method!r}: the reuse after '@' is empty")
+
+
 def method_config(config, method):
-    if method == "dense":
+    base, reuse = split_method(method)
+    if base == "dense":
         return config.replace(attention="dense")
-    return config.replace(attention="sparse", indexer=METHOD_INDEXER[method])
+    config = config.replace(attention="sparse", indexer=METHOD_INDEXER[base])
+    return config.replace(indexer_types=reuse_types(reuse)) if reuse else config
 
 
 def retrieval(model, tokenizer, text_tokens, L, kind, n_seq, per_sequence, seed, log,
@@ -88,11 +118,14 @@ def retrieval(model, tokenizer, text_tokens, L, kind, n_seq, per_sequence, seed,
             entry["by_depth"] = summarize(scores, seqs, per_sequence)["by_depth"]
         line = (f"L={L} {kind} probes {method}: exact {k}/{n} ({k / n:.1%} [{lo:.1%}, "
                 f"{hi:.1%}]), tokens {tok:.1%} [{tlo:.1%}, {thi:.1%}]")
-        if method != "dense" and "dense" in per_seq:
-            diff, (dlo, dhi) = mean_interval(np.subtract(per_seq[method], per_seq["dense"]))
-            entry["token_vs_dense"] = round(diff, 4)
-            entry["token_vs_dense_ci95"] = [round(dlo, 4), round(dhi, 4)]
-            line += f", vs dense {diff:+.1%} [{dlo:+.1%}, {dhi:+.1%}]"
+        base, reuse = split_method(method)
+        for ref, field in (("dense", "token_vs_dense"), (base, "token_vs_base")):
+            if method == "dense" or ref not in per_seq or (ref == base and not reuse):
+                continue
+            diff, (dlo, dhi) = mean_interval(np.subtract(per_seq[method], per_seq[ref]))
+            entry[field] = round(diff, 4)
+            entry[field + "_ci95"] = [round(dlo, 4), round(dhi, 4)]
+            line += f", vs {ref} {diff:+.1%} [{dlo:+.1%}, {dhi:+.1%}]"
         result[method] = entry
         log(line + f" ({source}, {wall} s)")
     result["depths"] = [round(d, 3) for s in seqs for d in

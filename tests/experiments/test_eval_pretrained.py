@@ -272,3 +272,27 @@ def test_window_gap_interval_pairs_windows():
     assert lo < 0.0125 < hi  # the mean log gap sits inside; spread widens it
     lo, hi = ev.window_gap_interval(dense, [9.9, 6.0, 7.5, 8.0])  # one window only
     assert lo < 0 < hi
+
+
+def test_reuse_methods_run_beside_their_base(tiny, tmp_path):
+    ev.main(["--model", str(tiny), "--indexer-dir", "none", "--lengths", "256",
+             "--top-k", "16", "--no-selection", "--probe-sequences", "1",
+             "--per-sequence", "2", "--ppl-windows", "2", "--baselines", "none",
+             "--methods", "dense,sparse_flat,sparse_flat@freq1,sparse_flat@FS",
+             "--out", str(tmp_path)])
+    r = json.loads((tmp_path / "eval.json").read_text())["lengths"][0]
+    m = r["methods"]
+    # freq1 keeps every indexer: the base itself; FS: layer 1 attends to layer 0's choice
+    assert m["sparse_flat@freq1"]["perplexity"] == m["sparse_flat"]["perplexity"]
+    assert m["sparse_flat@freq1"]["ppl_vs_base"] == 0.0
+    assert m["sparse_flat@FS"]["perplexity"] != m["sparse_flat"]["perplexity"]
+    lo, hi = m["sparse_flat@FS"]["ppl_vs_base_ci95"]
+    assert lo <= m["sparse_flat@FS"]["ppl_vs_base"] <= hi
+    assert r["pairs"]["sparse_flat@freq1|sparse_flat"]["agreement"] == 1.0
+    assert {"sparse_flat@FS|dense", "sparse_flat@FS|sparse_flat"} <= set(r["pairs"])
+    assert r["retrieval"]["sparse_flat@freq1"]["token_vs_base"] == 0.0
+    text = (tmp_path / "eval.md").read_text()
+    assert "| 256 | sparse_flat@FS |" in text and "Per-layer reuse" in text
+    for bad in ("sparse_flat@FX", "dense@FS", "sparse_flat@FSS", "sparse_flat@"):
+        with pytest.raises(SystemExit):
+            ev.main(["--model", str(tiny), "--methods", f"dense,{bad}", "--out", str(tmp_path)])
