@@ -11,8 +11,8 @@ import pallas_kernels
 # logits [rows, H_I, L] f32 (and their ReLU) before summing the heads, so on CPU small steps
 # win: flat_topk on the 2-core CPU at 8K-64K, top_k 256 and 1024, is fastest at 64 rows or
 # within noise of it at every length (64K, 1024 queries: 1.06 s and 146 MiB peak at 64 rows
-# against 1.72 s and 1042 MiB at 512; runs/ profiling, docs/findings.md), and rows shrink
-# further at long context so the logits stay within XLA_SCORE_BYTES. The Pallas kernels
+# against 1.72 s and 1042 MiB at 512; docs/design.md, "Query steps on the xla path"), and
+# rows shrink further at long context so the logits stay within XLA_SCORE_BYTES. The Pallas kernels
 # keep only [rows, L] and want rows for parallelism: PALLAS_QUERY_CHUNK.
 XLA_QUERY_CHUNK = 64
 XLA_MIN_QUERY_CHUNK = 8
