@@ -69,18 +69,6 @@ def _check_query_chunk(query_chunk):
         raise ValueError(f"query_chunk must be None or a positive int, got {query_chunk!r}")
 
 
-def query_chunks(q, w, q_offset, query_chunk):
-    """q [T, H, d], w [T, H] zero-padded into chunks of min(query_chunk, T) rows ->
-    (q [n, chunk, H, d], w [n, chunk, H], each chunk's first position i32[n])."""
-    T = q.shape[0]
-    chunk = min(query_chunk, T)
-    n_chunks = -(-T // chunk)
-    pad = n_chunks * chunk - T
-    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(n_chunks, chunk, *q.shape[1:])
-    wp = jnp.pad(w, ((0, pad), (0, 0))).reshape(n_chunks, chunk, w.shape[1])
-    return qp, wp, q_offset + chunk * jnp.arange(n_chunks)
-
-
 @functools.partial(jax.jit, static_argnames=("top_k", "query_chunk", "backend"))
 def flat_topk(q, w, k, top_k, *, q_offset=0, query_chunk=None, backend=None):
     """Exact top_k keys per query by flat index scores -> i32[T, top_k], best first.
@@ -91,18 +79,14 @@ def flat_topk(q, w, k, top_k, *, q_offset=0, query_chunk=None, backend=None):
     """
     _check_topk(top_k)
     _check_query_chunk(query_chunk)
-    T = q.shape[0]
     if query_chunk is None:
         query_chunk = default_query_chunk(k.shape[0], q.shape[1], backend)
-    qp, wp, starts = query_chunks(q, w, q_offset, query_chunk)
-    n_chunks, chunk = qp.shape[:2]
 
-    def one_chunk(args):
-        qc, wc, start = args
-        return topk_indices(index_scores(qc, wc, k, q_offset=start, backend=backend), top_k)
+    def one_chunk(first_row, qc, wc):
+        return topk_indices(index_scores(qc, wc, k, q_offset=q_offset + first_row,
+                                         backend=backend), top_k)
 
-    out = jax.lax.map(one_chunk, (qp, wp, starts))
-    return out.reshape(n_chunks * chunk, top_k)[:T]
+    return pallas_kernels.map_query_rows(one_chunk, query_chunk, (q, w))
 
 
 def flat_select(q, w, k, top_k, *, q_offset, config=None, summaries=None, screen=None):

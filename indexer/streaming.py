@@ -21,13 +21,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+import pallas_kernels
 from indexer.config import STREAMING_KEY_TILE
 from indexer.scoring import (
     _check_query_chunk,
     _check_topk,
     default_query_chunk,
     index_scores,
-    query_chunks,
     signless_zeros,
 )
 
@@ -86,13 +86,12 @@ def streaming_topk(q, w, k, top_k, *, q_offset=0, key_tile=STREAMING_KEY_TILE,
     tile = min(key_tile, L)
     if query_chunk is None:
         query_chunk = default_query_chunk(tile, q.shape[1], backend)
-    qp, wp, starts = query_chunks(q, w, q_offset, query_chunk)
-    n_chunks, chunk = qp.shape[:2]
+    chunk = min(query_chunk, T)
     n_tiles = -(-L // tile)
     kp = jnp.pad(k, ((0, n_tiles * tile - L), (0, 0)))
 
-    def one_chunk(args):
-        qc, wc, start = args
+    def one_chunk(first_row, qc, wc):
+        start = q_offset + first_row
 
         def body(j, best):
             first = j * tile
@@ -110,8 +109,7 @@ def streaming_topk(q, w, k, top_k, *, q_offset=0, key_tile=STREAMING_KEY_TILE,
         values, tokens = jax.lax.fori_loop(0, seen, body, init)
         return jnp.where(values > -jnp.inf, tokens, -1)
 
-    out = jax.lax.map(one_chunk, (qp, wp, starts))
-    return out.reshape(n_chunks * chunk, top_k)[:T]
+    return pallas_kernels.map_query_rows(one_chunk, chunk, (q, w))
 
 
 def streaming_select(q, w, k, top_k, *, q_offset, config=None, summaries=None, screen=None):

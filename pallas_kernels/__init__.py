@@ -4,9 +4,10 @@ from pallas_kernels.api import (
     BACKENDS,
     gathered_index_scores,
     index_scores,
+    map_query_rows,
     resolve_backend,
     sparse_attention,
 )
 
-__all__ = ["BACKENDS", "gathered_index_scores", "index_scores", "resolve_backend",
-           "sparse_attention"]
+__all__ = ["BACKENDS", "gathered_index_scores", "index_scores", "map_query_rows",
+           "resolve_backend", "sparse_attention"]

@@ -92,21 +92,25 @@ def sparse_attention(q, k, v, indices, *, scale=None, backend=None):
                 H_kv * (D + Dv) + 2 * H)
         fit = max(1, XLA_ATTENTION_BYTES // row_bytes)
         rows = min(XLA_ATTENTION_ROWS, 1 << (fit.bit_length() - 1))
-        return _over_query_rows(lambda qc, ic: attend(qc, k, v, ic, scale=scale),
-                                q, indices, rows)
+        return map_query_rows(lambda _, qc, ic: attend(qc, k, v, ic, scale=scale), rows,
+                              (q, indices), fill=(0, -1))
     return sparse_attention_pallas(q, k, v, indices, scale=scale,
                                    interpret=_interpret(backend))
 
 
-def _over_query_rows(attend, q, indices, rows):
-    """attend(q, indices) over chunks of `rows` queries (lax.map); padded rows select
-    nothing and are dropped."""
-    T = q.shape[0]
-    if T <= rows:
-        return attend(q, indices)
+def map_query_rows(fn, rows, arrays, fill=None):
+    """fn(first_row, *chunks) over chunks of `rows` rows of `arrays` (a lax.map: one chunk's
+    temporaries alive at a time), outputs (any pytree of [rows, ...] arrays) put back
+    together -> [T, ...]. The last chunk is padded with `fill` (one value per array, default
+    0) and its padded rows dropped; first_row: i32, the chunk's first row. rows >= T: one
+    call, no padding."""
+    T = arrays[0].shape[0]
+    if rows >= T:
+        return fn(jnp.int32(0), *arrays)
     n = -(-T // rows)
-    pad = n * rows - T
-    qp = jnp.pad(q, ((0, pad), (0, 0), (0, 0))).reshape(n, rows, *q.shape[1:])
-    ip = jnp.pad(indices, ((0, pad), (0, 0)), constant_values=-1).reshape(n, rows, -1)
-    out = jax.lax.map(lambda a: attend(*a), (qp, ip))
-    return out.reshape(n * rows, *out.shape[2:])[:T]
+    fill = (0,) * len(arrays) if fill is None else fill
+    padded = [jnp.pad(a, [(0, n * rows - T)] + [(0, 0)] * (a.ndim - 1), constant_values=f)
+              .reshape(n, rows, *a.shape[1:]) for a, f in zip(arrays, fill)]
+    out = jax.lax.map(lambda xs: fn(xs[0], *xs[1:]), (rows * jnp.arange(n, dtype=jnp.int32),
+                                                       *padded))
+    return jax.tree.map(lambda o: o.reshape(n * rows, *o.shape[2:])[:T], out)
