@@ -60,8 +60,8 @@ def default_query_chunk(key_len, heads, backend=None):
     XLA_QUERY_CHUNK): a power of two."""
     if pallas_kernels.resolve_backend(backend) != "xla":
         return PALLAS_QUERY_CHUNK
-    fit = XLA_SCORE_BYTES // (4 * heads * max(key_len, 1))
-    return max(XLA_MIN_QUERY_CHUNK, min(XLA_QUERY_CHUNK, 1 << max(fit.bit_length() - 1, 0)))
+    return pallas_kernels.rows_within(XLA_SCORE_BYTES, 4 * heads * key_len, XLA_QUERY_CHUNK,
+                                      XLA_MIN_QUERY_CHUNK)
 
 
 def _check_query_chunk(query_chunk):

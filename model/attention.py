@@ -30,8 +30,8 @@ def dense_causal_attention(q, k, v, *, q_offset=0, scale=None, return_head_sum=F
     T, H, _ = q.shape
     rows = T
     if pallas_kernels.resolve_backend() == "xla":
-        fit = max(1, DENSE_ATTENTION_BYTES // (3 * 4 * H * k.shape[0]))
-        rows = min(DENSE_ATTENTION_ROWS, 1 << (fit.bit_length() - 1))
+        rows = pallas_kernels.rows_within(DENSE_ATTENTION_BYTES, 3 * 4 * H * k.shape[0],
+                                          DENSE_ATTENTION_ROWS)
     result = pallas_kernels.map_query_rows(
         lambda first_row, qc: _attend_rows(qc, k, v, q_offset + first_row, scale,
                                            return_head_sum), rows, (q,))

@@ -6,8 +6,9 @@ from pallas_kernels.api import (
     index_scores,
     map_query_rows,
     resolve_backend,
+    rows_within,
     sparse_attention,
 )
 
 __all__ = ["BACKENDS", "gathered_index_scores", "index_scores", "map_query_rows",
-           "resolve_backend", "sparse_attention"]
+           "resolve_backend", "rows_within", "sparse_attention"]

@@ -90,12 +90,18 @@ def sparse_attention(q, k, v, indices, *, scale=None, backend=None):
         else:
             attend, row_bytes = sparse_attention_reference, 4 * indices.shape[1] * (
                 H_kv * (D + Dv) + 2 * H)
-        fit = max(1, XLA_ATTENTION_BYTES // row_bytes)
-        rows = min(XLA_ATTENTION_ROWS, 1 << (fit.bit_length() - 1))
+        rows = rows_within(XLA_ATTENTION_BYTES, row_bytes, XLA_ATTENTION_ROWS)
         return map_query_rows(lambda _, qc, ic: attend(qc, k, v, ic, scale=scale), rows,
                               (q, indices), fill=(0, -1))
     return sparse_attention_pallas(q, k, v, indices, scale=scale,
                                    interpret=_interpret(backend))
+
+
+def rows_within(budget_bytes, row_bytes, most, least=1):
+    """Rows per chunk: the largest power of two whose temporaries (row_bytes each) fit
+    budget_bytes, within [least, most]."""
+    fit = max(1, budget_bytes // max(row_bytes, 1))
+    return max(least, min(most, 1 << (fit.bit_length() - 1)))
 
 
 def map_query_rows(fn, rows, arrays, fill=None):

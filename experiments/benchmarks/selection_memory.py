@@ -2,8 +2,8 @@
 the flat kind (lax.top_k over each query chunk's full score rows) against the streaming
 kind (indexer.streaming: key tiles merged into a running top_k), side by side, and the flat
 kind as it ran before the xla path's budgeted steps ("flat_512": 512-query scoring steps and
-whole-chunk sparse attention, set through indexer.scoring.XLA_QUERY_CHUNK / XLA_SCORE_BYTES
-and pallas_kernels.api.XLA_ATTENTION_ROWS / XLA_ATTENTION_BYTES while it compiles).
+whole-chunk attention, set through indexer.scoring.XLA_QUERY_CHUNK / XLA_SCORE_BYTES,
+pallas_kernels.api.XLA_ATTENTION_* and model.attention.DENSE_ATTENTION_* while it compiles).
 
     python -m experiments.benchmarks.selection_memory [--context 65536] [--queries 1024]
         [--preset small] [--repeats 3] [--out DIR]
@@ -30,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 import indexer.scoring
+import model.attention
 import pallas_kernels.api
 from experiments.benchmarks.support import equal_up_to_ties, median_interleaved, random_inputs
 from experiments.common import add_out_argument, display_path, machine_description, write_json
@@ -52,6 +53,8 @@ def former_defaults(kind):
     stack.enter_context(mock.patch.object(indexer.scoring, "XLA_SCORE_BYTES", 1 << 60))
     stack.enter_context(mock.patch.object(pallas_kernels.api, "XLA_ATTENTION_ROWS", 1 << 30))
     stack.enter_context(mock.patch.object(pallas_kernels.api, "XLA_ATTENTION_BYTES", 1 << 60))
+    stack.enter_context(mock.patch.object(model.attention, "DENSE_ATTENTION_ROWS", 1 << 30))
+    stack.enter_context(mock.patch.object(model.attention, "DENSE_ATTENTION_BYTES", 1 << 60))
     return stack
 
 
