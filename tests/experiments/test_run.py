@@ -148,3 +148,24 @@ def test_timing_is_interleaved_round_by_round():
 
     time_interleaved([Fake("flat"), Fake("hier"), Fake("window")], 3)
     assert calls == ["flat", "hier", "window"] * 3
+
+
+def test_smollm2_config_modes_apply_to_the_shipped_retrofit():
+    """run_smollm2.yaml's modes are valid on SmolLM2's stored config (read without its
+    weights): the reuse mode runs 15 of the 30 indexers, hierarchical keeps a budget below
+    the 8K context, and dense is there for fidelity vs dense."""
+    import pathlib
+
+    from model.pretrained.indexer_weights import read_indexer_meta
+    from model.pretrained.registry import default_indexer_dir
+
+    run = load_run_config(pathlib.Path(main_job.DEFAULT_CONFIG).parent / "run_smollm2.yaml")
+    assert run.model.pretrained == "smollm2-135m" and run.lengths == (8192,)
+    base, _, _ = read_indexer_meta(default_indexer_dir("smollm2-135m"))
+    base = base.replace(**run.model.overrides)
+    configs = {m.name: m.model_config(base) for m in run.modes}
+    reuse = configs["sparse-hierarchical-freq2"]
+    assert [reuse.layer_is_shared(i) for i in range(4)] == [False, True, False, True]
+    assert sum(not reuse.layer_is_shared(i) for i in range(reuse.n_layers)) == 15
+    assert configs["sparse-hierarchical"].hierarchical.candidate_tokens < 8192
+    assert configs["dense"].attention == "dense" and run.reference == "sparse-flat"
