@@ -22,10 +22,14 @@ and each budget rule:
 
 Exact flat paths: flat top-k (one ranking per row of scores) and the streaming selection
 (indexer.streaming: key tiles of --streaming-tiles, a running top-k, no score matrix; its
-rows say whether it matched flat index for index). Recall is against flat top-k on the same
-inputs, averaged over layers; speedup is the fastest exact flat path's time over the row's,
-both summed over layers. ceiling: the best recall any choice of that
-many blocks reaches (indexer.block_recall_ceiling), per fixed budget; mass and ratio rows
+rows say whether it matched flat index for index). --reuse PATTERN,...: selection reuse
+across layers (ModelConfig.indexer_types; freqN keeps layers 0, N, 2N, ... or an F/S string,
+F runs its indexer, S reuses the nearest earlier F layer's selection), one row per pattern
+and exact path or fixed budget: a shared layer costs nothing and its recall is its source
+layer's selection against the shared layer's *own* flat top-k. Recall is against flat top-k
+on the same inputs, averaged over layers; speedup is the fastest exact flat path's time over
+the row's, both summed over layers. ceiling: the best recall any choice of that many blocks
+reaches (indexer.block_recall_ceiling), per fixed budget; mass and ratio rows
 give the candidate blocks they kept and ran at; "scored" is the share of the visible blocks
 scored exactly per query (exact mode's rescoring included: where exact mode prunes).
 Writes OUT/frontier.json, OUT/frontier.md, OUT/frontier.png (--out, default runs/frontier/).
@@ -52,6 +56,7 @@ from experiments.common import (
     write_json,
 )
 from experiments.data import eval_sequence, model_indexer_inputs
+from experiments.evaluation.probe_runs import reuse_types
 from experiments.model_source import load_source
 from indexer.config import STREAMING_KEY_TILE
 from indexer.streaming import streaming_topk
@@ -93,7 +98,8 @@ def parse_extra(text):
 
 
 def bench_layer(q, w, k, top_k, q_offset, runs, screen, args):
-    """One layer -> {"flat_s", run name: {time_s, recall, kept_blocks, run_blocks}}."""
+    """One layer -> ({"flat_s", run name: {time_s, recall, kept_blocks, run_blocks}},
+    {run name: its selection} of the runs reuse rows are built from, when --reuse)."""
     summaries = jax.block_until_ready(jit_block_summaries(k, block_size=args.block_size))
     fns = {"flat": lambda: indexer.flat_topk(q, w, k, top_k, q_offset=q_offset,
                                              query_chunk=args.flat_chunk)}
@@ -123,7 +129,36 @@ def bench_layer(q, w, k, top_k, q_offset, runs, screen, args):
             # and bound blocks may raise a small budget)
             res[name]["ceiling"] = indexer.block_recall_ceiling(
                 flat, int(stats["candidate_blocks"]), args.block_size)
-    return res
+    kept = {name: outs[name] for name in reuse_bases(runs)} if args.reuse else {}
+    return res, kept
+
+
+def reuse_bases(runs):
+    """The runs that reuse rows are built on: flat, and every fixed budget."""
+    return ["flat"] + [name for name, (_, rule, _, _) in runs.items() if rule == "fixed"]
+
+
+def reuse_rows(L, per_layer, selections, runs, patterns, config, fastest_s):
+    """One row per (reuse pattern, base run): time summed over the layers that run their own
+    selection, recall of each layer's selection (its source layer's when shared) against the
+    layer's own flat top-k, averaged over layers."""
+    rows = []
+    for pattern in patterns:
+        reuse = config.replace(indexer_types=reuse_types(pattern))
+        sources = [reuse.selection_source(i) for i in range(config.n_layers)]
+        full = [i for i in range(config.n_layers) if sources[i] == i]
+        for name in reuse_bases(runs):
+            times = [per_layer[i]["flat_s"] if name == "flat" else per_layer[i][name]["time_s"]
+                     for i in full]
+            recalls = [indexer.recall(selections[sources[i]][name], selections[i]["flat"])
+                       for i in range(config.n_layers)]
+            method, rule, knob = ("flat", "exact", None) if name == "flat" else runs[name][:3]
+            rows.append(dict(name=f"{name}@{pattern}", method=method, rule=rule, knob=knob,
+                             reuse=pattern, indexers=len(full), length=L,
+                             hierarchical_s=sum(times), speedup=fastest_s / sum(times),
+                             recall=float(np.mean(recalls)), recall_per_layer=recalls,
+                             kept_blocks=None, run_blocks=None, scored=None, ceiling=None))
+    return rows
 
 
 def summarize(L, per_layer, runs, tiles):
@@ -161,17 +196,19 @@ def markdown(result):
              f"exact flat over key tiles (= flat index for index: "
              f"{all(r.get('equal', True) for x in result['lengths'] for r in x['rows'])}). "
              f"{result['machine']}.", "",
-             "| L | scorer | rule | knob | speedup | recall | ceiling | blocks kept / run | "
-             "scored |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| L | scorer | rule | knob | reuse | speedup | recall | ceiling | "
+             "blocks kept / run | scored |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for length in result["lengths"]:
         for r in length["rows"]:
             ceiling = f"{r['ceiling']:.4f}" if r["ceiling"] is not None else ""
             blocks = ("" if r["kept_blocks"] is None else
                       f"{r['kept_blocks']:.1f} / {r['run_blocks']:.1f}")
-            lines.append(f"| {r['length']} | {r['method']} | {r['rule']} | {r['knob']} | "
+            scored = "" if r["scored"] is None else f"{r['scored']:.3f}"
+            lines.append(f"| {r['length']} | {r['method']} | {r['rule']} | "
+                         f"{'' if r['knob'] is None else r['knob']} | {r.get('reuse') or ''} | "
                          f"{r['speedup']:.2f}x | {r['recall']:.4f} | {ceiling} | {blocks} | "
-                         f"{r['scored']:.3f} |")
+                         f"{scored} |")
     return "\n".join(lines)
 
 
@@ -186,9 +223,10 @@ def plot(result, path):
     styles = {"mean": "tab:blue", "learned": "tab:red"}
     marks = {"fixed": "o-", "mass": "s--", "ratio": "^:"}
     for ax, length in zip(axes[0], lengths):
-        for method in sorted({r["method"] for r in length["rows"]} - {"streaming"}):
-            for rule in dict.fromkeys(r["rule"] for r in length["rows"]):
-                pts = sorted((r["recall"], r["speedup"]) for r in length["rows"]
+        lines = [r for r in length["rows"] if not r.get("reuse")]
+        for method in sorted({r["method"] for r in lines} - {"streaming"}):
+            for rule in dict.fromkeys(r["rule"] for r in lines):
+                pts = sorted((r["recall"], r["speedup"]) for r in lines
                               if r["method"] == method and r["rule"] == rule)
                 if pts:
                     ax.plot(*zip(*pts), marks.get(rule, "D"), color=styles.get(method, "k"),
@@ -198,9 +236,11 @@ def plot(result, path):
                         ax.annotate(rule, (x, y), textcoords="offset points", xytext=(4, 4),
                                     fontsize=7)
         for r in length["rows"]:
-            if r["method"] == "streaming":
-                ax.plot(r["recall"], r["speedup"], "kx")
-                ax.annotate(f"streaming {r['knob']}", (r["recall"], r["speedup"]),
+            if r["method"] == "streaming" or r.get("reuse"):
+                label = (f"streaming {r['knob']}" if not r.get("reuse") else
+                         f"{r['method']} {r['knob'] or ''} @{r['reuse'][:8]}")
+                ax.plot(r["recall"], r["speedup"], "kx" if not r.get("reuse") else "gD")
+                ax.annotate(label, (r["recall"], r["speedup"]),
                             textcoords="offset points", xytext=(-60, 4), fontsize=7)
         fixed = [r for r in length["rows"] if r["rule"] == "fixed" and r["method"] == "mean"]
         if fixed:  # the ceiling of each fixed budget, at that budget's measured speed
@@ -250,6 +290,10 @@ def main(argv=None):
     p.add_argument("--streaming-tiles", type=parse_list(int), default=[STREAMING_KEY_TILE],
                    help="key tiles of the streaming flat selection, one row each ('' for "
                         "none)")
+    p.add_argument("--reuse", type=parse_list(str), default=[], metavar="PATTERN,...",
+                   help="selection reuse across layers, one row per pattern and exact path "
+                        "or fixed budget: freqN (layers 0, N, 2N, ... run their indexer) or "
+                        "an F/S string per layer")
     add_out_argument(p, "frontier")
     args = p.parse_args(argv)
     if args.queries < 1 or args.repeats < 1 or not args.lengths:
@@ -273,6 +317,11 @@ def main(argv=None):
         p.error(f"{source.directory} has no trained coarse screens: run python -m "
                 f"experiments.training.coarse_screen first")
     runs = variants(base, args, methods)
+    for pattern in args.reuse:
+        try:
+            model.config.replace(indexer_types=reuse_types(pattern))
+        except ValueError as e:
+            p.error(f"--reuse {pattern}: {e}")
     result = dict(command="python -m experiments.benchmarks.frontier " + shlex.join(
         sys.argv[1:] if argv is None else argv), model=source.name, top_k=top_k,
         block_size=base.block_size, queries=args.queries, layers=model.config.n_layers,
@@ -283,13 +332,19 @@ def main(argv=None):
         layers = model_indexer_inputs(model, eval_sequence(source.heldout_tokens, L), n)
         print(f"L={L}: indexer inputs of {len(layers)} layers captured "
               f"({time.monotonic() - t0:.0f} s)", flush=True)
-        per_layer = []
+        per_layer, selections = [], []
         for i, (q, w, k) in enumerate(layers):
             screen = model.layers[i].coarse_screen.params()
-            per_layer.append(bench_layer(jnp.asarray(q), jnp.asarray(w), jnp.asarray(k), top_k,
-                                         L - n, runs, screen, args))
+            res, kept = bench_layer(jnp.asarray(q), jnp.asarray(w), jnp.asarray(k), top_k,
+                                    L - n, runs, screen, args)
+            per_layer.append(res)
+            selections.append(kept)
             print(f"  layer {i} done ({time.monotonic() - t0:.0f} s)", flush=True)
-        result["lengths"].append(summarize(L, per_layer, runs, args.streaming_tiles))
+        summary = summarize(L, per_layer, runs, args.streaming_tiles)
+        summary["rows"] += reuse_rows(L, per_layer, selections, runs, args.reuse, model.config,
+                                      summary["exact_s"][summary["fastest_exact"]])
+        result["lengths"].append(summary)
+        del selections
     result["wall_s"] = round(time.monotonic() - t0, 1)
     text = markdown(result)
     print(text)
