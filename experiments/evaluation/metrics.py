@@ -39,18 +39,22 @@ def selections_on_captured(config, captured, cache, q_offset, length):
     """`config`'s selection, layer by layer, on indexer inputs captured from a pass
     (captured["indexer"]: q [n_layers, Q, H_I, d_I], w [n_layers, Q, H_I] for the queries at
     positions q_offset..q_offset+Q-1) over that pass's cache (keys of `length` positions)
-    -> i32[n_layers, Q, top_k]. A shared layer (indexer_types) selects what its full layer
-    does, over that layer's keys."""
+    -> i32[n_layers, Q, top_k]. A shared layer (indexer_types) gets its full layer's
+    selection, from that layer's inputs and keys: the captures may come from a pass where
+    every layer ran its own indexer (the reference a reuse pattern is compared with)."""
     q, w = captured["indexer"].q, captured["indexer"].w
     capacity = cache_capacity(cache)
     kv_len = min(capacity, length_bucket(length))
     # The pass's summaries serve when `config` cuts blocks the same way; else (another
     # block_size, an ablation) the selection builds its own from the keys.
     same_blocks = cache[0].summaries.n_blocks == -(-capacity // config.hierarchical.block_size)
-    out = []
+    out = {}
     for i in range(config.n_layers):
-        c = cache[config.selection_source(i)]
-        out.append(np.asarray(layer_selection(config, i, q_offset, jnp.asarray(q[i]),
-                                              jnp.asarray(w[i]), c.k_index[:kv_len],
-                                              c.summaries if same_blocks else None)))
-    return np.stack(out)
+        src = config.selection_source(i)
+        if src not in out:
+            c = cache[src]
+            out[src] = np.asarray(layer_selection(config, src, q_offset, jnp.asarray(q[src]),
+                                                  jnp.asarray(w[src]), c.k_index[:kv_len],
+                                                  c.summaries if same_blocks else None))
+        out[i] = out[src]
+    return np.stack([out[i] for i in range(config.n_layers)])

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from experiments.evaluation.metrics import selections_on_captured
 from model import ModelRunner, Transformer, get_config, with_config
 from model.config import ModelConfig, glm_indexer_types, normalize_indexer_types
 
@@ -38,8 +39,13 @@ def test_a_shared_layer_attends_to_its_full_layers_selection(full, indexer):
     shared = with_config(full, base.config.replace(indexer_types="FFS"))
     assert shared.layers[2].indexer is None and shared.layers[1].indexer is not None
     _, cache, got = ModelRunner(shared).prefill(_tokens(0, N), capture=("indices", "indexer"))
-    _, _, ref = ModelRunner(base).prefill(_tokens(0, N), capture=("indices",))
+    _, ref_cache, ref = ModelRunner(base).prefill(_tokens(0, N), capture=("indices",
+                                                                           "indexer"))
     np.testing.assert_array_equal(got["indices"][2], got["indices"][1])
+    # The evaluation scores a reuse pattern on the all-full pass's captures: the shared
+    # layer gets its full layer's selection there too.
+    on_captured = selections_on_captured(shared.config, ref, ref_cache, 0, N)
+    np.testing.assert_array_equal(on_captured, got["indices"])
     np.testing.assert_array_equal(got["indices"][:2], ref["indices"][:2])
     assert not np.array_equal(got["indices"][1], got["indices"][0])
     # The shared layer's captured indexer inputs are its full layer's (a KL on them trains
