@@ -46,7 +46,7 @@ def markdown(results):
     cfg, env = results["config"], results["env"]
     lines = ["# dosa TTFT study", "",
              f"Command: `{results['command']}`", "",
-             f"Model: {results['model']}. Text: held-out standard-library sources. "
+             f"Model: {results['model']}. "
              f"Device: {env['device']} ({env['backend']}, jax {env['jax']}). "
              f"Repetitions: {cfg['repetitions']} timed prefills per row after a compile-only "
              f"warm-up, the modes and baselines of a length interleaved; ratios and the split "

@@ -66,15 +66,16 @@ def load_source(source, capacity):
     if source.random_weights:
         model = Transformer(preset_config(source, capacity), rngs=nnx.Rngs(0))
         kept = "" if source.layers is None else f", layers {list(source.layers)}"
-        return (model, f"preset {source.preset}{kept}, random weights", True,
-                Corpus().heldout_tokens)
+        return (model, f"preset {source.preset}{kept}, random weights (text: held-out "
+                       f"standard-library sources)", True, Corpus().heldout_tokens)
     if source.pretrained is not None:
         from experiments.text_corpus import heldout_text_tokens
         from model.pretrained import load_pretrained
 
         overrides.setdefault("max_seq_len", length_bucket(capacity))
         pre = load_pretrained(source.pretrained, **overrides)
-        return (pre.model, f"pretrained {source.pretrained} (indexer: {pre.info['indexer']})",
+        return (pre.model, f"pretrained {source.pretrained} (indexer: {pre.info['indexer']}; "
+                           f"text: held-out Python documentation, pydoc topics)",
                 False, heldout_text_tokens(pre.tokenizer))
     directory = source.checkpoint or default_checkpoint_dir()
     if "max_seq_len" not in overrides and has_checkpoint(directory):
@@ -85,7 +86,8 @@ def load_source(source, capacity):
     name = source.checkpoint or "checkpoints/small"
     corpus = Corpus(heldout_fraction=float(metadata.get("data", {}).get("heldout_fraction",
                                                                         0.05)))
-    return model, f"checkpoint {name} (step {step})", False, corpus.heldout_tokens
+    return (model, f"checkpoint {name} (step {step}; text: held-out standard-library sources)",
+            False, corpus.heldout_tokens)
 
 
 def _skipped(length, spec, reason):
