@@ -3,16 +3,19 @@ hierarchical indexer, on a CPU or on datasheet GPUs; validated against committed
 
     python -m experiments.costmodel [--preset small | --checkpoint [DIR]]
         [--lengths 8192,16384,...] [--hardware cpu,a100,h100,h200] [--devices N]
-        [--out DIR] [--no-calibrate] [--no-dsa]
+        [--reuse freqN|FSFS...] [--out DIR] [--no-calibrate] [--no-dsa]
 
 Stages of a prefill of L tokens, per layer and summed (model.costs):
   other      projections (attention, indexer, MLP: 2 x parameters x tokens), norms, RoPE,
              residuals, cache writes, embedding and lm_head;
   indexer    flat: 2 H_I d_I FLOPs per scored (query, key) pair + lax.top_k over each row;
+             streaming: flat's products over key tiles, a top-k per tile and a merge;
              hierarchical: coarse products with the block means, candidate-block top-k,
              tile tables, fine products over each tile's table, ranking (top-k or sort);
   attention  sparse: 2 x 2 H D FLOPs per selected token + gathering its K/V rows;
              dense causal attention is counted beside it for comparison.
+--reuse: selection reuse across layers (ModelConfig.indexer_types; freqN or an F/S string
+per layer): shared layers run no indexer and cache no index keys.
 Seconds (experiments.costmodel.rates): measured rates on "cpu" (this machine, in this run),
 datasheet peaks x efficiencies from results/gpu/pallas_bench_h200.json on GPUs.
 Also: bytes per token of every cache, the longest context a device holds, the validation
@@ -50,6 +53,7 @@ from experiments.costmodel.validate import (
     ratio_rows,
     summary,
 )
+from experiments.evaluation.probe_runs import reuse_types
 from model import PRESETS, get_config
 from model.costs import (
     STAGES,
@@ -93,6 +97,9 @@ def parse_args(argv):
     p.add_argument("--no-dsa", action="store_true",
                    help="skip the DeepSeek-V3.2 / GLM-5 section (about 30 s of tracing their "
                         "full-size shapes for the weights per device)")
+    p.add_argument("--reuse", default=None, metavar="freqN|FSFS...",
+                   help="selection reuse across layers: layers 0, N, 2N, ... run their indexer "
+                        "(freqN), or one letter per layer (F runs its indexer, S reuses)")
     add_out_argument(p, NAME)
     args = p.parse_args(argv)
     args.lengths = _int_list(args.lengths, "--lengths", p)
@@ -112,13 +119,18 @@ def parse_args(argv):
 
 
 def load_config(args):
-    """(name, ModelConfig) from --preset or --checkpoint."""
+    """(name, ModelConfig) from --preset or --checkpoint, with --reuse's indexer_types."""
     if args.checkpoint is None:
         name = args.preset or "small"
-        return name, get_config(name)
-    from model.checkpoint import read_config
-    config, _ = read_config(args.checkpoint.resolve())
-    return f"checkpoint {display_path(args.checkpoint)}", config
+        config = get_config(name)
+    else:
+        from model.checkpoint import read_config
+        config, _ = read_config(args.checkpoint.resolve())
+        name = f"checkpoint {display_path(args.checkpoint)}"
+    if args.reuse:
+        config = config.replace(indexer_types=reuse_types(args.reuse))
+        name += f", reuse {args.reuse}"
+    return name, config
 
 
 def count_rows(config, L):
@@ -133,7 +145,7 @@ def count_rows(config, L):
 
 
 def predictions(config, lengths, rates_by_hw, devices):
-    """Flat and hierarchical prefill predictions per hardware and length (GPUs on
+    """Flat, streaming and hierarchical prefill predictions per hardware and length (GPUs on
     `devices` devices, the CPU on one)."""
     rows = []
     full = sum(not config.layer_is_shared(i) for i in range(config.n_layers))
@@ -141,7 +153,7 @@ def predictions(config, lengths, rates_by_hw, devices):
         n_dev = 1 if hw == "cpu" else devices
         for L in lengths:
             row = {"hardware": hw, "devices": n_dev, "length": L}
-            for kind in ("flat", "hierarchical"):
+            for kind in ("flat", "streaming", "hierarchical"):
                 counts = prefill_counts(config, L, skip=hw != "cpu", indexer=kind)
                 pred = predict(counts, rates, devices=n_dev, length=L, n_layers=full,
                                index_key_bytes=index_key_bytes(config),
@@ -199,13 +211,14 @@ def markdown(result):
                          f"{g('prefill_hierarchical', 'flops'):.4g} |")
     lines += ["", "## Predicted prefill", "",
               "| hardware | L | flat TTFT | indexer share | split other/indexer/attention | "
-              "hier TTFT | indexer share | split | flat / hier | dense TTFT |",
-              "|---|---:|---:|---:|---|---:|---:|---|---:|---:|"]
+              "streaming TTFT | hier TTFT | indexer share | split | flat / hier | dense TTFT |",
+              "|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|"]
     for r in result["predictions"]:
         f, h = r["flat"], r["hierarchical"]
         fs, hs = ("/".join(f"{p['split'][k]:.0%}" for k in STAGES) for p in (f, h))
         lines.append(f"| {r['hardware']} x{r['devices']} | {r['length']} | {_fmt_s(f['ttft_s'])}"
-                     f" | {f['indexer_share']:.0%} | {fs} | {_fmt_s(h['ttft_s'])} | "
+                     f" | {f['indexer_share']:.0%} | {fs} | {_fmt_s(r['streaming']['ttft_s'])} | "
+                     f"{_fmt_s(h['ttft_s'])} | "
                      f"{h['indexer_share']:.0%} | {hs} | {r['ttft_ratio']:.2f}x | "
                      f"{_fmt_s(f['dense_ttft_s'])} |")
     cap = result["caches"]
@@ -266,7 +279,12 @@ def assumptions(calibrated):
 
 def main(argv=None):
     args = parse_args(argv)
-    name, config = load_config(args)
+    try:
+        name, config = load_config(args)
+    except ValueError as e:  # a --reuse pattern the model's layers do not fit
+        print(f"python -m experiments.costmodel: error: --reuse {args.reuse}: {e}",
+              file=sys.stderr)
+        raise SystemExit(2) from None
     calibration = kernel_calibration(KERNEL_JSON)
     rates = {}
     small = get_config("small")

@@ -292,3 +292,23 @@ def test_main_with_cpu_calibration(tmp_path):
     rates = result["hardware"]["cpu"]
     assert set(rates["flops"]) >= {"matmul", "index_scores", "gathered_scores"}
     assert {r["where"] for r in result["validation"]["rows"]} == {"cpu", "h200"}
+
+
+def test_reuse_and_streaming_predictions(tmp_path, capsys):
+    """--reuse FS: the shared layer runs no selection (a cheaper hierarchical and flat
+    indexer, fewer index-key bytes); every row also predicts the streaming selection."""
+    argv = ["--no-calibrate", "--no-dsa", "--preset", "tiny", "--lengths", "4096",
+            "--hardware", "h200"]
+    plain = costmodel.main(argv + ["--out", str(tmp_path / "plain")])
+    reuse = costmodel.main(argv + ["--reuse", "FS", "--out", str(tmp_path / "reuse")])
+    (p,), (r,) = plain["predictions"], reuse["predictions"]
+    for kind in ("flat", "streaming", "hierarchical"):
+        assert r[kind]["ttft_s"] < p[kind]["ttft_s"]
+    assert p["streaming"]["ttft_s"] > 0 and "streaming TTFT" in plain["markdown"]
+    assert (reuse["caches"]["bytes_per_token"]["index_keys"]
+            == plain["caches"]["bytes_per_token"]["index_keys"] / 2)
+    assert reuse["setup"]["model"] == "tiny, reuse FS"
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        costmodel.main(argv + ["--reuse", "SF", "--out", str(tmp_path / "bad")])
+    assert e.value.code == 2 and "--reuse SF" in capsys.readouterr().err
