@@ -7,6 +7,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from experiments.common import display_path
 from experiments.data import Corpus, eval_sequence
 from experiments.evaluation.metrics import pair_metrics
 from experiments.ttft.measure import (
@@ -74,7 +75,7 @@ def load_source(source, capacity):
 
         overrides.setdefault("max_seq_len", length_bucket(capacity))
         pre = load_pretrained(source.pretrained, **overrides)
-        return (pre.model, f"pretrained {source.pretrained} (indexer: {pre.info['indexer']}; "
+        return (pre.model, f"pretrained {source.pretrained} (indexer: {display_path(pre.info['indexer'])}; "
                            f"text: held-out Python documentation, pydoc topics)",
                 False, heldout_text_tokens(pre.tokenizer))
     directory = source.checkpoint or default_checkpoint_dir()
