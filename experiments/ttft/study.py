@@ -75,8 +75,9 @@ def load_source(source, capacity):
 
         overrides.setdefault("max_seq_len", length_bucket(capacity))
         pre = load_pretrained(source.pretrained, **overrides)
-        return (pre.model, f"pretrained {source.pretrained} (indexer: {display_path(pre.info['indexer'])}; "
-                           f"text: held-out Python documentation, pydoc topics)",
+        indexer = display_path(pre.info["indexer"])
+        return (pre.model, f"pretrained {source.pretrained} (indexer: {indexer}; text: "
+                           f"held-out Python documentation, pydoc topics)",
                 False, heldout_text_tokens(pre.tokenizer))
     directory = source.checkpoint or default_checkpoint_dir()
     if "max_seq_len" not in overrides and has_checkpoint(directory):
