@@ -109,6 +109,8 @@ def main(argv=None):
             if advance:
                 started.append(description)
             bar.update(task, description=description)
+            if not console.is_terminal:  # a log file gets each step, timed, not a bar
+                console.print(f"[{time.perf_counter() - t0:7.1f} s] {description}")
 
         with use_mesh(mesh):  # every runner of the study runs on the mesh
             rows, summary = run_study(run, model, heldout, random_weights=random_weights,
