@@ -27,6 +27,16 @@ def glm_indexer_types(n_layers, *, index_topk_freq=1, index_skip_topk_offset=2):
                  else "shared" for i in range(n_layers))
 
 
+def reuse_types(reuse):
+    """A short reuse spelling (a method's "@..." suffix, a benchmark's --reuse) ->
+    ModelConfig.indexer_types: "freqN" keeps the indexer of layers 0, N, 2N, ... (the others
+    reuse the last kept layer's selection; GLM-5's schedule with offset 1), anything else is
+    an F/S pattern string (F: the layer runs its indexer, S: it reuses)."""
+    if reuse.startswith("freq") and reuse[4:].isdigit():
+        return {"index_topk_freq": int(reuse[4:]), "index_skip_topk_offset": 1}
+    return reuse
+
+
 def normalize_indexer_types(value, n_layers):
     """ModelConfig.indexer_types in any of its spellings -> a tuple of "full" / "shared" per
     layer, or () when every layer is full (the same config as not saying it). Spellings:

@@ -56,11 +56,11 @@ from experiments.common import (
     write_json,
 )
 from experiments.data import eval_sequence, model_indexer_inputs
-from experiments.evaluation.probe_runs import reuse_types
 from experiments.model_source import load_source
 from indexer.config import STREAMING_KEY_TILE
 from indexer.streaming import streaming_topk
 from model.coarse_screen_file import has_coarse_screen
+from model.config import reuse_types
 
 
 def variants(base, args, methods):

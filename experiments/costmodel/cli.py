@@ -53,8 +53,8 @@ from experiments.costmodel.validate import (
     ratio_rows,
     summary,
 )
-from experiments.evaluation.probe_runs import reuse_types
 from model import PRESETS, get_config
+from model.config import reuse_types
 from model.costs import (
     STAGES,
     cache_bytes_per_token,

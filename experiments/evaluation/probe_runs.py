@@ -16,6 +16,7 @@ from experiments.evaluation.retrieval import (
     wilson_interval,
 )
 from model import ModelRunner, with_config
+from model.config import reuse_types
 
 METHODS = ("dense", "oracle", "sparse_flat", "sparse_hier")
 # The selection kind each sparse method runs (indexer.selection); "oracle" ranks the layer's
@@ -28,16 +29,6 @@ def split_method(method):
     of selections (ModelConfig.indexer_types) after the "@"; "" when none."""
     base, _, reuse = method.partition("@")
     return base, reuse
-
-
-def reuse_types(reuse):
-    """A method's reuse spelling -> ModelConfig.indexer_types: "freqN" keeps the indexer of
-    layers 0, N, 2N, ... (the others reuse the last kept layer's selection; GLM-5's schedule
-    with offset 1), anything else is an F/S pattern string (F: the layer runs its indexer, S:
-    it reuses)."""
-    if reuse.startswith("freq") and reuse[4:].isdigit():
-        return {"index_topk_freq": int(reuse[4:]), "index_skip_topk_offset": 1}
-    return reuse
 
 
 def check_method(method):

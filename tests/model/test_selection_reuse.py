@@ -11,7 +11,7 @@ from flax import nnx
 
 from experiments.evaluation.metrics import selections_on_captured
 from model import ModelRunner, Transformer, get_config, with_config
-from model.config import ModelConfig, glm_indexer_types, normalize_indexer_types
+from model.config import ModelConfig, glm_indexer_types, normalize_indexer_types, reuse_types
 
 TOL = dict(rtol=2e-4, atol=2e-4)
 N = 120  # two chunks of 64 (the last one padded): one compiled step per model
@@ -89,6 +89,12 @@ def test_indexer_types_spellings():
         == normalize_indexer_types("FFSSSFSS", 8) \
         == normalize_indexer_types({"index_topk_pattern": "FFSSSFSS"}, 8)
     assert normalize_indexer_types(["full"] * 4, 4) == () == normalize_indexer_types("", 4)
+    # The short spellings of benchmarks and evaluation methods ("@freq2", --reuse FSFS).
+    assert normalize_indexer_types(reuse_types("freq2"), 6) == normalize_indexer_types(
+        "FSFSFS", 6)
+    assert normalize_indexer_types(reuse_types("freq4"), 6) == normalize_indexer_types(
+        "FSSSFS", 6)
+    assert reuse_types("FFSS") == "FFSS"
     assert ModelConfig(indexer_types="FFFF") == ModelConfig()
     config = ModelConfig(n_layers=4, indexer_types="FSFS")
     assert [config.selection_source(i) for i in range(4)] == [0, 0, 2, 2]
