@@ -1,0 +1,191 @@
+"""The evaluation's full table, gathered from the runs of record: every probe and length,
+dense / oracle / sparse flat / sparse hierarchical side by side, per indexer and setting.
+
+    python -m experiments.evaluation.full_table [--results results/pretrained] [--out FILE]
+
+Reads every eval.json (experiments.evaluation.pretrained) and proxy.json
+(experiments.evaluation.proxy) under --results. A row is one indexer, probe (or perplexity),
+length and setting (top_k, dense layers, index_rope_scaling; for perplexity also the number
+of windows, since only the same windows compare); its cells are the methods. Where several
+runs measured the same cell, the one with the most sequences (then windows) is shown, and
+the row names every folder it draws on. Retrieval cells: tokens right with a 95% interval
+over sequences, and the paired difference to dense on the same sequences; perplexity cells:
+the perplexity and its gap to dense (interval over paired windows). The hierarchical cell
+names its candidate budget: at or above the context it equals flat by construction. Writes
+markdown to stdout and to --out when given.
+"""
+
+import argparse
+import json
+import pathlib
+import shlex
+import sys
+
+from experiments.common import display_path
+
+COLUMNS = ("dense", "oracle", "sparse_flat", "sparse_hier")
+DEFAULT_RESULTS = pathlib.Path(__file__).resolve().parents[2] / "results" / "pretrained"
+
+
+def _setting(config):
+    dense = config.get("dense_layers") or []
+    rope = config.get("index_rope_scaling")
+    parts = [f"top_k {config.get('top_k')}"]
+    if dense:
+        parts.append(f"dense layers {list(dense)}")
+    if rope:
+        parts.append(f"index rope x{rope:g}")
+    return ", ".join(parts)
+
+
+def _pct(x):
+    return f"{100 * x:.1f}"
+
+
+def _interval(lo_hi, scale=100, sign=True, digits=1):
+    lo, hi = lo_hi
+    fmt = f"{{:{'+' if sign else ''}.{digits}f}}"
+    return f"[{fmt.format(scale * lo)}, {fmt.format(scale * hi)}]"
+
+
+def _cell_key(method, budget):
+    base, _, reuse = method.partition("@")
+    column = base if base in COLUMNS and not reuse else "other"
+    label = method + (f" (budget {budget})" if base == "sparse_hier" else "")
+    return column, label
+
+
+def _entries(path):
+    """One eval.json or proxy.json -> [(row key, column, label, measure, cell dict)]."""
+    data = json.loads(path.read_text())
+    folder = display_path(path.parent)
+    out = []
+    if path.name == "proxy.json":
+        indexer, setting = data["indexer"], "top_k 1024"
+        for run in data.get("copy", []):
+            row = (indexer, "copy", run["length"], setting)
+            out.append((row, "dense", "dense", run["sequences"],
+                        {"acc": run["dense"], "folder": folder}))
+            column, label = _cell_key(data["method"], None)
+            out.append((row, column, label, run["sequences"], {
+                "acc": run["method"], "diff": run["vs_dense"], "diff_ci": run["vs_dense_ci95"],
+                "folder": folder}))
+        return out
+    indexer = data.get("info", {}).get("indexer", "?")
+    setting = _setting(data.get("config", {}))
+    budget = data.get("hierarchical_budget")
+    for length in data["lengths"]:
+        L = length["length"]
+        retrieval = length.get("retrieval")
+        if retrieval:
+            row = (indexer, retrieval["kind"], L, setting)
+            for method, r in retrieval.items():
+                if not isinstance(r, dict) or "token_accuracy" not in r:
+                    continue
+                column, label = _cell_key(method, budget)
+                out.append((row, column, label, retrieval["sequences"], {
+                    "acc": r["token_accuracy"], "ci": r["token_ci95"],
+                    "exact": (r["correct"], r["probes"]), "diff": r.get("token_vs_dense"),
+                    "diff_ci": r.get("token_vs_dense_ci95"), "folder": folder}))
+        pairs = length.get("pairs", {})
+        for method, m in (length.get("methods") or {}).items():
+            if not isinstance(m, dict) or "perplexity" not in m:
+                continue
+            column, label = _cell_key(method, budget)
+            # Perplexities compare only over the same windows: their count is in the row.
+            row = (indexer, "perplexity", L, f"{setting}; {m.get('windows', 1)} window(s)")
+            agreement = (pairs.get(f"{method}|dense") or {}).get("agreement")
+            out.append((row, column, label, m.get("windows", 1), {
+                "ppl": m["perplexity"], "gap": m.get("ppl_vs_dense"),
+                "gap_ci": m.get("ppl_vs_dense_ci95"), "top1": agreement, "folder": folder}))
+    return out
+
+
+def gather(results_dir):
+    """-> {row key: {"cells": {column: {label: (count, cell)}}, "folders": set}}, the run with
+    the most sequences (windows) kept per cell."""
+    rows = {}
+    for path in sorted(results_dir.rglob("*.json")):
+        if path.name not in ("eval.json", "proxy.json"):
+            continue
+        for row, column, label, count, cell in _entries(path):
+            slot = rows.setdefault(row, {"cells": {}, "folders": set()})
+            kept = slot["cells"].setdefault(column, {}).get(label)
+            if kept is None or count > kept[0]:
+                slot["cells"][column][label] = (count, cell)
+    for slot in rows.values():
+        slot["folders"] = sorted({cell["folder"] for labels in slot["cells"].values()
+                                  for _, cell in labels.values()})
+    return rows
+
+
+def _format(label, count, cell, perplexity):
+    if perplexity:
+        text = f"{cell['ppl']:.3f}"
+        if cell.get("gap") is not None:
+            text += f" ({100 * cell['gap']:+.2f}%"
+            if cell.get("gap_ci"):
+                text += f" {_interval(cell['gap_ci'], digits=2)}"
+            text += ")"
+        if cell.get("top1") is not None:
+            text += f"; top-1 {cell['top1']:.3f}"
+    else:
+        text = _pct(cell["acc"])
+        if cell.get("ci"):
+            text += f" {_interval(cell['ci'], sign=False)}"
+        if cell.get("diff") is not None and label != "dense":
+            text += f"; **{100 * cell['diff']:+.1f}**"
+            if cell.get("diff_ci"):
+                text += f" {_interval(cell['diff_ci'])}"
+        if cell.get("exact"):
+            text += f"; exact {cell['exact'][0]}/{cell['exact'][1]}"
+    prefix = "" if label in COLUMNS else f"{label}: "
+    return prefix + text, count
+
+
+def markdown(rows):
+    order = {"copy": 0, "copy_rare": 1, "needle": 2, "passkey": 3, "perplexity": 4}
+    lines = ["| indexer | probe | L | setting | n | dense | oracle | sparse flat | "
+             "sparse hierarchical | other | from |", "|" + "---|" * 11]
+    for key in sorted(rows, key=lambda k: (k[0], order.get(k[1], 9), k[2], k[3])):
+        indexer, probe, L, setting = key
+        cells, counts = [], set()
+        for column in (*COLUMNS, "other"):
+            texts = []
+            for label, (count, cell) in sorted(rows[key]["cells"].get(column, {}).items()):
+                text, n = _format(label, count, cell, probe == "perplexity")
+                texts.append(text)
+                counts.add(n)
+            cells.append("<br>".join(texts) or "-")
+        unit = "windows" if probe == "perplexity" else "seq"
+        n = "/".join(str(c) for c in sorted(counts))
+        lines.append(f"| {indexer} | {probe} | {L} | {setting.split(';')[0]} | {n} {unit} | "
+                     + " | ".join(cells) + f" | {', '.join(rows[key]['folders'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", default=str(DEFAULT_RESULTS),
+                   help="folder searched for eval.json / proxy.json (default results/pretrained)")
+    p.add_argument("--out", default=None, help="also write the markdown here")
+    args = p.parse_args(argv)
+    results = pathlib.Path(args.results)
+    if not results.is_dir():
+        p.error(f"--results {args.results}: no such folder")
+    command = "python -m experiments.evaluation.full_table " + shlex.join(
+        argv if argv is not None else sys.argv[1:])
+    text = (f"Made by `{command.strip()}`.\n\n"
+            "Retrieval cells: tokens right % [95% interval]; **paired difference to dense, "
+            "points** [interval]; exact probes. Perplexity cells: perplexity (gap to dense "
+            "[interval over windows]); top-1 agreement with dense.\n\n"
+            + markdown(gather(results)))
+    print(text)
+    if args.out:
+        pathlib.Path(args.out).write_text(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()

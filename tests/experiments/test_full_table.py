@@ -1,0 +1,60 @@
+"""The evaluation's full table gathers runs of record into rows of comparable cells."""
+
+import json
+
+from experiments.evaluation import full_table
+
+
+def _retrieval(kind, L, sequences, methods, budget=4096, indexer="idx/a"):
+    cells = {}
+    for name, acc, diff in methods:
+        cells[name] = {"token_accuracy": acc, "token_ci95": [acc - 0.02, acc + 0.02],
+                       "correct": 3, "probes": 4 * sequences, "token_vs_dense": diff,
+                       "token_vs_dense_ci95": None if diff is None else [diff - .01, diff + .01]}
+    return {"info": {"indexer": indexer}, "config": {"top_k": 1024, "dense_layers": []},
+            "hierarchical_budget": budget,
+            "lengths": [{"length": L, "retrieval": {"kind": kind, "sequences": sequences,
+                                                    **cells}}]}
+
+
+def _perplexity(L, windows, ppls):
+    return {"info": {"indexer": "idx/a"}, "config": {"top_k": 1024, "dense_layers": [],
+                                                      "index_rope_scaling": 4.0},
+            "hierarchical_budget": 4096,
+            "lengths": [{"length": L, "pairs": {"sparse_flat|dense": {"agreement": 0.95}},
+                         "methods": {m: {"perplexity": v, "windows": windows,
+                                         "ppl_vs_dense": None if m == "dense" else 0.05}
+                                     for m, v in ppls.items()}}]}
+
+
+def _write(root, name, data, file="eval.json"):
+    (root / name).mkdir()
+    (root / name / file).write_text(json.dumps(data))
+
+
+def test_cells_keep_the_largest_run_and_say_where_they_come_from(tmp_path):
+    _write(tmp_path, "small", _retrieval("copy", 2048, 6, [("dense", 0.9, None),
+                                                          ("sparse_flat", 0.5, -0.4)]))
+    _write(tmp_path, "large", _retrieval("copy", 2048, 40, [("dense", 0.87, None),
+                                                           ("sparse_flat", 0.74, -0.136)]))
+    _write(tmp_path, "hier", _retrieval("copy", 2048, 40, [("sparse_hier", 0.51, -0.361)],
+                                        budget=1024))
+    _write(tmp_path, "ppl1", _perplexity(8192, 1, {"dense": 5.755, "sparse_flat": 6.35}))
+    _write(tmp_path, "ppl4", _perplexity(8192, 4, {"dense": 7.27, "sparse_flat": 7.60}))
+    _write(tmp_path, "proxy", {"indexer": "idx/b", "method": "sparse_flat", "copy": [
+        {"length": 4096, "sequences": 16, "dense": 0.794, "method": 0.578,
+         "vs_dense": -0.216, "vs_dense_ci95": [-0.261, -0.171]}]}, file="proxy.json")
+    rows = full_table.gather(tmp_path)
+    copy = rows[("idx/a", "copy", 2048, "top_k 1024")]
+    assert copy["cells"]["sparse_flat"]["sparse_flat"][0] == 40  # the 40-sequence run wins
+    assert copy["cells"]["sparse_flat"]["sparse_flat"][1]["acc"] == 0.74
+    assert "sparse_hier (budget 1024)" in copy["cells"]["sparse_hier"]
+    assert len(copy["folders"]) == 2 and not any("small" in f for f in copy["folders"])
+    # Perplexities over different windows never share a row.
+    assert {k[3] for k in rows if k[1] == "perplexity"} == {
+        "top_k 1024, index rope x4; 1 window(s)", "top_k 1024, index rope x4; 4 window(s)"}
+    text = full_table.markdown(rows)
+    assert "74.0 [72.0, 76.0]; **-13.6** [-14.6, -12.6]" in text
+    assert "sparse_hier (budget 1024): 51.0" in text
+    assert "7.600 (+5.00%); top-1 0.950" in text
+    assert "| idx/b | copy | 4096 | top_k 1024 | 16 seq | 79.4 | - | 57.8; **-21.6**" in text
