@@ -179,6 +179,8 @@ def _time_length(run, model, tokens, *, progress, log):
     wall = time.perf_counter() - t0
     runs = {}
     for name, (spec, config, timer) in timers.items():
+        if progress:
+            progress(f"{length} tokens, {spec.name}: decode steps and fidelity", advance=False)
         runs[name] = finish_mode(spec, config, timer, run, baselines,
                                  keep_cache=name == run.reference)
         row = runs[name].row
