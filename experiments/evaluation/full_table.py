@@ -28,6 +28,8 @@ DEFAULT_RESULTS = pathlib.Path(__file__).resolve().parents[2] / "results" / "pre
 
 
 def _setting(config):
+    if "top_k" not in config:  # a proxy.json from before the proxy recorded its setting
+        return "setting not recorded (the indexer's own top_k)"
     dense = config.get("dense_layers") or []
     rope = config.get("index_rope_scaling")
     parts = [f"top_k {config.get('top_k')}"]
@@ -42,10 +44,10 @@ def _pct(x):
     return f"{100 * x:.1f}"
 
 
-def _interval(lo_hi, scale=100, sign=True, digits=1):
+def _interval(lo_hi, sign=True, digits=1):
     lo, hi = lo_hi
     fmt = f"{{:{'+' if sign else ''}.{digits}f}}"
-    return f"[{fmt.format(scale * lo)}, {fmt.format(scale * hi)}]"
+    return f"[{fmt.format(100 * lo)}, {fmt.format(100 * hi)}]"
 
 
 def _cell_key(method, budget):
@@ -61,8 +63,10 @@ def _entries(path):
     folder = display_path(path.parent)
     out = []
     if path.name == "proxy.json":
-        indexer, setting = data["indexer"], "top_k 1024"
+        indexer, setting = data["indexer"], _setting(data.get("config", {}))
         for run in data.get("copy", []):
+            if (path.parent / f"copy_{run['length']}" / "eval.json").exists():
+                continue  # the proxy's own run is there, with every cell and its setting
             row = (indexer, "copy", run["length"], setting)
             out.append((row, "dense", "dense", run["sequences"],
                         {"acc": run["dense"], "folder": folder}))
@@ -102,14 +106,14 @@ def _entries(path):
 
 
 def gather(results_dir):
-    """-> {row key: {"cells": {column: {label: (count, cell)}}, "folders": set}}, the run with
-    the most sequences (windows) kept per cell."""
+    """-> {row key: {"cells": {column: {label: (count, cell)}}, "folders": [...]}}, the run
+    with the most sequences (windows) kept per cell."""
     rows = {}
     for path in sorted(results_dir.rglob("*.json")):
         if path.name not in ("eval.json", "proxy.json"):
             continue
         for row, column, label, count, cell in _entries(path):
-            slot = rows.setdefault(row, {"cells": {}, "folders": set()})
+            slot = rows.setdefault(row, {"cells": {}})
             kept = slot["cells"].setdefault(column, {}).get(label)
             if kept is None or count > kept[0]:
                 slot["cells"][column][label] = (count, cell)
@@ -119,7 +123,7 @@ def gather(results_dir):
     return rows
 
 
-def _format(label, count, cell, perplexity):
+def _format(label, cell, perplexity):
     if perplexity:
         text = f"{cell['ppl']:.3f}"
         if cell.get("gap") is not None:
@@ -140,7 +144,7 @@ def _format(label, count, cell, perplexity):
         if cell.get("exact"):
             text += f"; exact {cell['exact'][0]}/{cell['exact'][1]}"
     prefix = "" if label in COLUMNS else f"{label}: "
-    return prefix + text, count
+    return prefix + text
 
 
 def markdown(rows):
@@ -153,9 +157,8 @@ def markdown(rows):
         for column in (*COLUMNS, "other"):
             texts = []
             for label, (count, cell) in sorted(rows[key]["cells"].get(column, {}).items()):
-                text, n = _format(label, count, cell, probe == "perplexity")
-                texts.append(text)
-                counts.add(n)
+                texts.append(_format(label, cell, probe == "perplexity"))
+                counts.add(count)
             cells.append("<br>".join(texts) or "-")
         unit = "windows" if probe == "perplexity" else "seq"
         n = "/".join(str(c) for c in sorted(counts))

@@ -84,7 +84,12 @@ def main(argv=None):
         if args.hierarchical:
             argv_eval += ["--hierarchical", args.hierarchical]
         pretrained.main(argv_eval)
-        r = json.loads((run / "eval.json").read_text())["lengths"][0]["retrieval"]
+        evaluation = json.loads((run / "eval.json").read_text())
+        # The setting the probes ran at (the indexer's own top_k unless told), for readers
+        # such as experiments.evaluation.full_table.
+        report["config"] = {k: evaluation["config"].get(k)
+                            for k in ("top_k", "dense_layers", "index_rope_scaling")}
+        r = evaluation["lengths"][0]["retrieval"]
         m, d = r[args.method], r["dense"]
         report["copy"].append(dict(
             length=length, sequences=n, dense=d["token_accuracy"], method=m["token_accuracy"],

@@ -41,7 +41,8 @@ def test_cells_keep_the_largest_run_and_say_where_they_come_from(tmp_path):
                                         budget=1024))
     _write(tmp_path, "ppl1", _perplexity(8192, 1, {"dense": 5.755, "sparse_flat": 6.35}))
     _write(tmp_path, "ppl4", _perplexity(8192, 4, {"dense": 7.27, "sparse_flat": 7.60}))
-    _write(tmp_path, "proxy", {"indexer": "idx/b", "method": "sparse_flat", "copy": [
+    _write(tmp_path, "proxy", {"indexer": "idx/b", "method": "sparse_flat",
+                               "config": {"top_k": 1024, "dense_layers": []}, "copy": [
         {"length": 4096, "sequences": 16, "dense": 0.794, "method": 0.578,
          "vs_dense": -0.216, "vs_dense_ci95": [-0.261, -0.171]}]}, file="proxy.json")
     rows = full_table.gather(tmp_path)
@@ -58,3 +59,17 @@ def test_cells_keep_the_largest_run_and_say_where_they_come_from(tmp_path):
     assert "sparse_hier (budget 1024): 51.0" in text
     assert "7.600 (+5.00%); top-1 0.950" in text
     assert "| idx/b | copy | 4096 | top_k 1024 | 16 seq | 79.4 | - | 57.8; **-21.6**" in text
+
+
+def test_a_proxy_that_did_not_record_its_setting_claims_none(tmp_path):
+    _write(tmp_path, "proxy", {"indexer": "idx/c", "method": "sparse_flat", "copy": [
+        {"length": 2048, "sequences": 40, "dense": 0.874, "method": 0.854,
+         "vs_dense": -0.02, "vs_dense_ci95": [-0.036, -0.004]}]}, file="proxy.json")
+    (key,) = full_table.gather(tmp_path)
+    assert key[3] == "setting not recorded (the indexer's own top_k)"
+    # The proxy's own copy run beside it carries the cell with its setting: no second row.
+    (tmp_path / "proxy" / "copy_2048").mkdir()
+    (tmp_path / "proxy" / "copy_2048" / "eval.json").write_text(json.dumps(_retrieval(
+        "copy", 2048, 40, [("dense", 0.874, None), ("sparse_flat", 0.854, -0.02)],
+        indexer="idx/c")))
+    assert list(full_table.gather(tmp_path)) == [("idx/c", "copy", 2048, "top_k 1024")]
