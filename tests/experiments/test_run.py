@@ -2,6 +2,7 @@
 split's arithmetic, the report, and usage errors for bad configs."""
 
 import json
+import pathlib
 
 import pytest
 import yaml
@@ -107,7 +108,6 @@ def test_random_weights_need_a_preset():
 def test_h200_config_is_v32_shaped_with_four_layers():
     """run_h200.yaml names V3.2's true dimensions, cut to one dense and three MoE layers;
     the shapes come from nnx.eval_shape (the ~80 GB model is never allocated here)."""
-    import pathlib
 
     from flax import nnx
 
@@ -154,7 +154,6 @@ def test_smollm2_config_modes_apply_to_the_shipped_retrofit():
     """run_smollm2.yaml's modes are valid on SmolLM2's stored config (read without its
     weights): the reuse mode runs 15 of the 30 indexers, hierarchical keeps a budget below
     the 8K context, and dense is there for fidelity vs dense."""
-    import pathlib
 
     from model.pretrained.indexer_weights import read_indexer_meta
     from model.pretrained.registry import default_indexer_dir
@@ -169,3 +168,10 @@ def test_smollm2_config_modes_apply_to_the_shipped_retrofit():
     assert sum(not reuse.layer_is_shared(i) for i in range(reuse.n_layers)) == 15
     assert configs["sparse-hierarchical"].hierarchical.candidate_tokens < 8192
     assert configs["dense"].attention == "dense" and run.reference == "sparse-flat"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in pathlib.Path(
+    main_job.DEFAULT_CONFIG).parent.glob("run_*.yaml")))
+def test_every_shipped_run_config_loads(name):
+    run = load_run_config(pathlib.Path(main_job.DEFAULT_CONFIG).parent / name)
+    assert run.lengths and run.mode(run.reference) and run.mode(run.compare)
