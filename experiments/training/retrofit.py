@@ -11,7 +11,9 @@ cache, so the frozen model runs once per window, not once per step.
    window one dense forward of the frozen model keeps every full layer's indexer input and
    every layer's attention at --rows stratified query rows (bfloat16, in WORK/teacher; a
    rerun reuses what is there). The held-out window (the pydoc text at the warm-up's
-   held-out offset) gets --heldout-rows rows.
+   held-out offset) gets --heldout-rows rows. With --copy-rows a share of each repeat
+   window's rows lies inside its copies, and a second held-out window (the same text with
+   repeats, rows likewise) joins the criterion.
 2. Train: all layers' indexers on the cached windows, one window per step, epochs in a
    seeded order, AdamW (no weight decay) with warm-up and cosine decay over the planned
    steps; after each epoch the held-out KL at the cached rows decides: the best epoch's
@@ -54,8 +56,10 @@ from experiments.training.teacher import (
     WindowPlan,
     fill,
     make_teacher,
+    repeat_spans,
     stratified_rows,
     training_window,
+    window_rows,
 )
 from experiments.training.warmup import (
     HELDOUT_OFFSET,
@@ -74,7 +78,7 @@ from model.pretrained import (
 )
 from model.pretrained.registry import PRETRAINED
 
-HELDOUT = "heldout"
+HELDOUT, HELDOUT_COPY = "heldout", "heldout_copy"
 
 
 def window_arrays(entry):
@@ -120,6 +124,10 @@ def main(argv=None):
                    help="share of windows with repeated spans")
     p.add_argument("--spans", type=int, default=8, help="repeated spans per such window")
     p.add_argument("--span-tokens", default="16,128", metavar="LO,HI")
+    p.add_argument("--copy-rows", type=float, default=0.0,
+                   help="share of a repeat window's rows drawn inside its copies; > 0 adds "
+                        "a held-out window with repeats, and the stage's criterion becomes "
+                        "the mean of the two held-out KLs")
     p.add_argument("--heldout-rows", type=int, default=1024)
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--patience", type=int, default=2,
@@ -136,7 +144,8 @@ def main(argv=None):
     try:
         plan = WindowPlan(length=args.seq_len, rows=args.rows, first_row=args.first_row,
                           repeat_share=args.repeat_share, spans=args.spans,
-                          span_tokens=parse_span_tokens(args.span_tokens), seed=args.seed)
+                          span_tokens=parse_span_tokens(args.span_tokens),
+                          copy_rows=args.copy_rows, seed=args.seed)
     except ValueError as e:
         p.error(str(e))
     if not 1 <= args.heldout_rows <= args.seq_len:
@@ -165,14 +174,20 @@ def main(argv=None):
     train_names, _ = split_documents(list_documents())
     stream = token_stream(tok, train_names, cache=cache_dir() / "corpus")
 
+    held_names = [HELDOUT, HELDOUT_COPY] if plan.copy_rows > 0 else [HELDOUT]
+
     def planned():
         held = heldout_text_tokens(tok)[HELDOUT_OFFSET:HELDOUT_OFFSET + args.seq_len]
         yield HELDOUT, held, stratified_rows(args.seq_len, args.heldout_rows,
                                               seed=args.seed + 1_000_003), dict(repeats=[])
+        if plan.copy_rows > 0:  # the same text with the plan's repeats, rows in the copies
+            held, placed = repeat_spans(held, np.random.default_rng([args.seed, 37]),
+                                        spans=plan.spans, span_tokens=plan.span_tokens)
+            yield HELDOUT_COPY, held, window_rows(plan, held, placed, seed=args.seed + 37,
+                                                  count=args.heldout_rows), dict(repeats=placed)
         for i in range(args.windows):
             tokens, meta = training_window(stream, plan, i)
-            rows = stratified_rows(args.seq_len, args.rows, seed=args.seed * 1_000_003 + i,
-                                   first=args.first_row)
+            rows = window_rows(plan, tokens, meta["repeats"], seed=args.seed * 1_000_003 + i)
             yield f"window_{i:05d}", tokens, rows, meta
 
     teacher = make_teacher(model)
@@ -181,7 +196,7 @@ def main(argv=None):
         if over():
             break
     names = [f"window_{i:05d}" for i in range(args.windows)]
-    missing = [n for n in [HELDOUT, *names] if not cache.has(n)]
+    missing = [n for n in [*held_names, *names] if not cache.has(n)]
     if missing:
         (work / "record.json").write_text(json.dumps(record))
         save_indexer_weights(work / "last", model, base={})
@@ -195,7 +210,15 @@ def main(argv=None):
     # ---- 2. train the indexers on the cache
     graphdef, trainable, frozen, rest, opt_state, step_fn, eval_fn = indexer_optimization(
         model, "indexer_cached", work)
-    held = window_arrays(cache.read(HELDOUT))
+    held = [window_arrays(cache.read(n)) for n in held_names]
+
+    def heldout_kl():
+        """The stage's criterion: the mean KL over the held-out windows (each one's in
+        record["heldout_parts"])."""
+        parts = [float(eval_fn(trainable, frozen, rest, h)) for h in held]
+        record.setdefault("heldout_parts", []).append([record["step"], parts])
+        return float(np.mean(parts))
+
     total = args.epochs * args.windows
     n_params = sum(x.size for x in jax.tree.leaves(trainable))
 
@@ -203,7 +226,7 @@ def main(argv=None):
         return ts.merge_stage(graphdef, "indexer_cached", trainable, frozen, rest)
 
     if not record["heldout"]:
-        record["heldout"].append([0, float(eval_fn(trainable, frozen, rest, held))])
+        record["heldout"].append([0, heldout_kl()])
         record["best"] = [0, record["heldout"][-1][1]]
         save_indexer_weights(work / "best", model_now(), base={})
         print(f"held-out KL ({args.heldout_rows} rows) before training: "
@@ -233,7 +256,7 @@ def main(argv=None):
             record["train"].append([record["step"], round(kl, 5)])
         record["train_s"] += time.monotonic() - start
         record["epoch"] += 1
-        kl = float(eval_fn(trainable, frozen, rest, held))
+        kl = heldout_kl()
         record["heldout"].append([record["step"], kl])
         better = kl < record["best"][1]
         if better:
@@ -272,7 +295,11 @@ def main(argv=None):
         trainable_params=n_params, lr=args.lr,
         train_kl_first10=round(float(np.mean(train_kl[:10])), 4),
         train_kl_last10=round(float(np.mean(train_kl[-10:])), 4),
-        heldout_kl=record["heldout"], heldout_kl_note=f"{args.heldout_rows} stratified rows",
+        heldout_kl=record["heldout"], heldout_kl_note=f"{args.heldout_rows} stratified rows" + (
+            f"; mean of the pydoc window and the same window with repeats ({HELDOUT_COPY}, "
+            f"{args.copy_rows:g} of its rows in the copies)" if args.copy_rows > 0 else ""),
+        heldout_kl_parts=record.get("heldout_parts"), copy_rows=args.copy_rows,
+        spans=args.spans, span_tokens=list(plan.span_tokens),
         heldout_kl_exact=exact)
     ship_stage(out, model, args, pre, summary, record)
     print(json.dumps({k: v for k, v in summary.items() if k != "heldout_kl"}, indent=1))

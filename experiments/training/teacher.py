@@ -12,9 +12,11 @@ SmolLM2-135M with 256 query rows: hidden states 30 x 8192 x 576 and target rows
 Windows come from the training corpus (experiments.text_corpus, the evaluation text held
 out); a share of them has spans repeated at random distances, so that the teacher's
 induction heads attend to a copy source far back: the long-range copying the sparse model
-loses on the retrieval probes (docs/pretrained.md), rare in ordinary text. Rows are
-stratified over the window (one uniform draw per stratum), skipping the first `first_row`
-positions, where every key fits in top_k and selection cannot differ from dense.
+loses on the retrieval probes (docs/pretrained.md), rare in ordinary text. A `copy_rows`
+share of such a window's rows is drawn inside its intact copies, where that learning is;
+the other rows are stratified over the window (one uniform draw per stratum). Rows skip the
+first `first_row` positions, where every key fits in top_k and selection cannot differ
+from dense.
 """
 
 import dataclasses
@@ -43,6 +45,7 @@ class WindowPlan:
     repeat_share: float = 0.5  # windows with repeated spans
     spans: int = 8  # repeated spans per such window
     span_tokens: tuple[int, int] = (16, 128)  # each span's length, uniform in [lo, hi]
+    copy_rows: float = 0.0  # share of a repeat window's rows drawn inside intact copies
     seed: int = 0
 
     def __post_init__(self):
@@ -58,6 +61,8 @@ class WindowPlan:
         if not 1 <= lo <= hi or 2 * hi > self.length:
             raise ValueError(f"{where}.span_tokens (lo, hi) must satisfy 1 <= lo <= hi <= "
                              f"length / 2 = {self.length // 2}, got {self.span_tokens}")
+        if not 0.0 <= self.copy_rows <= 1.0:
+            raise ValueError(f"{where}.copy_rows must be in [0, 1], got {self.copy_rows}")
         if self.spans < 0:
             raise ValueError(f"{where}.spans must be >= 0, got {self.spans}")
 
@@ -84,6 +89,40 @@ def repeat_spans(tokens, rng, *, spans, span_tokens):
         out[dst:dst + n] = out[src:src + n]
         placed.append((src, dst, n))
     return out, placed
+
+
+def copy_positions(tokens, placed):
+    """The positions inside a copy (not its first token) whose copy is intact from the
+    copy's start to there, after every later span was written -> sorted int array. These
+    are the queries whose next token the copy source predicts: the teacher's induction
+    heads attend far back there."""
+    tokens = np.asarray(tokens)
+    out = []
+    for src, dst, n in placed:
+        intact = np.cumprod(tokens[dst:dst + n] == tokens[src:src + n]).astype(bool)
+        out.extend(dst + j for j in range(1, n) if intact[j])
+    return np.unique(np.asarray(out, np.int64))
+
+
+def window_rows(plan, tokens, placed, *, seed, count=None):
+    """A window's query rows: a `plan.copy_rows` share drawn uniformly from its intact copies
+    (copy_positions, >= first_row; fewer when there are fewer), the rest stratified over
+    [first_row, length) -> sorted distinct int32[count or plan.rows]."""
+    count = plan.rows if count is None else count
+    copies = copy_positions(tokens, placed)
+    copies = copies[copies >= plan.first_row]
+    n_copy = min(int(round(plan.copy_rows * count)), len(copies))
+    rows = stratified_rows(len(tokens), count - n_copy, seed=seed, first=plan.first_row)
+    if n_copy:
+        rng = np.random.default_rng([int(seed), 11])
+        free = np.setdiff1d(copies, rows)
+        pick = rng.choice(free, min(n_copy, len(free)), replace=False)
+        if len(pick) < n_copy:  # copies the stratified draw took: any other position
+            rest = np.setdiff1d(np.arange(plan.first_row, len(tokens)),
+                                np.concatenate([rows, pick]))
+            pick = np.concatenate([pick, rng.choice(rest, n_copy - len(pick), replace=False)])
+        rows = np.sort(np.concatenate([rows, pick]))
+    return rows.astype(np.int32)
 
 
 def training_window(stream, plan, index):

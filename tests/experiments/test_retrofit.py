@@ -18,6 +18,7 @@ from experiments.training.teacher import (
     make_teacher,
     repeat_spans,
     stratified_rows,
+    window_rows,
 )
 from model import Transformer, get_config
 from tests.pretrained_files import tiny_training_setup
@@ -91,6 +92,29 @@ def test_rows_are_stratified_and_spans_repeat_where_recorded():
         WindowPlan(length=64, rows=4, repeat_share=1.5)
 
 
+def test_copy_rows_lie_inside_intact_copies_and_the_count_holds():
+    """copy_rows puts that share of the rows where a copy's source predicts the next token
+    (inside the copy, not its first token, the copy intact up to there); the rest stay
+    stratified; the count never changes (a jitted step compiles once)."""
+    rng = np.random.default_rng(5)
+    base = rng.permutation(4000)[:2000]  # distinct tokens: a match is only a copy
+    tokens, placed = repeat_spans(base, rng, spans=6, span_tokens=(8, 40))
+    plan = WindowPlan(length=2000, rows=64, first_row=100, copy_rows=0.5)
+    rows = window_rows(plan, tokens, placed, seed=3)
+    assert len(rows) == 64 and np.all(np.diff(rows) > 0) and rows.min() >= 100
+    inside = [r for r in rows if any(
+        d < r < d + n and np.array_equal(tokens[d:r + 1], tokens[s:s + r + 1 - d])
+        for s, d, n in placed)]
+    assert len(inside) >= 32
+    assert len(window_rows(WindowPlan(length=2000, rows=64, copy_rows=1.0), tokens,
+                           placed[:1], seed=3)) == 64  # fewer copy positions than asked
+    np.testing.assert_array_equal(window_rows(WindowPlan(length=2000, rows=64), tokens,
+                                              placed, seed=3),
+                                  stratified_rows(2000, 64, seed=3))
+    with pytest.raises(ValueError, match="WindowPlan.copy_rows"):
+        WindowPlan(length=512, rows=4, copy_rows=-0.1)
+
+
 def test_teacher_cache_round_trip_and_a_new_key_empties_it(tmp_path):
     model = _model()
     tokens = np.random.default_rng(2).integers(0, 256, 48).astype(np.int32)
@@ -116,7 +140,7 @@ def test_recipe_trains_resumes_and_ships_a_stage(tmp_path, monkeypatch):
     out = tmp_path / "stage"
     args = ["--model", gguf, "--out", str(out), "--seq-len", "128", "--windows", "3",
             "--rows", "16", "--heldout-rows", "32", "--spans", "2", "--span-tokens", "4,16",
-            "--lr", "1e-2", "--warmup-steps", "1", "--patience", "5"]
+            "--lr", "1e-2", "--warmup-steps", "1", "--patience", "5", "--copy-rows", "0.5"]
     retrofit.main([*args, "--epochs", "1"])
     first = json.loads((out / "warmup_log.json").read_text())
     assert first["steps"] == 3 and first["teacher_tokens"] == 3 * 128
@@ -126,6 +150,8 @@ def test_recipe_trains_resumes_and_ships_a_stage(tmp_path, monkeypatch):
     kls = [k for _, k in log["heldout_kl"]]
     assert min(kls[1:]) < kls[0]  # training lowers the held-out KL of fresh indexers
     assert set(log["heldout_kl_exact"]) == {"128", "2048"}
+    for (_, parts), (_, kl) in zip(log["heldout_kl_parts"], log["heldout_kl"]):
+        assert len(parts) == 2 and kl == pytest.approx(np.mean(parts))  # with the repeats
     meta = json.loads((out / "dsa.json").read_text())
     assert meta["config"]["attention"] == "sparse"
     assert meta["metadata"]["warmup"]["recipe"] == "teacher cache"
