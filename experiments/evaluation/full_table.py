@@ -22,6 +22,7 @@ import shlex
 import sys
 
 from experiments.common import display_path
+from experiments.evaluation.needles import contexts_below
 
 COLUMNS = ("dense", "oracle", "sparse_flat", "sparse_hier")
 DEFAULT_RESULTS = pathlib.Path(__file__).resolve().parents[2] / "results" / "pretrained"
@@ -83,14 +84,20 @@ def _entries(path):
         retrieval = length.get("retrieval")
         if retrieval:
             row = (indexer, retrieval["kind"], L, setting)
+            dense = retrieval.get("dense")
             for method, r in retrieval.items():
                 if not isinstance(r, dict) or "token_accuracy" not in r:
                     continue
                 column, label = _cell_key(method, budget)
+                below = None
+                if retrieval["kind"] == "needle" and dense and method != "dense":
+                    below = contexts_below(r["scores"], dense["scores"],
+                                           retrieval["per_sequence"])
                 out.append((row, column, label, retrieval["sequences"], {
                     "acc": r["token_accuracy"], "ci": r["token_ci95"],
                     "exact": (r["correct"], r["probes"]), "diff": r.get("token_vs_dense"),
-                    "diff_ci": r.get("token_vs_dense_ci95"), "folder": folder}))
+                    "diff_ci": r.get("token_vs_dense_ci95"), "below": below,
+                    "folder": folder}))
         pairs = length.get("pairs", {})
         for method, m in (length.get("methods") or {}).items():
             if not isinstance(m, dict) or "perplexity" not in m:
@@ -143,6 +150,8 @@ def _format(label, cell, perplexity):
                 text += f" {_interval(cell['diff_ci'])}"
         if cell.get("exact"):
             text += f"; exact {cell['exact'][0]}/{cell['exact'][1]}"
+        if cell.get("below"):
+            text += f"; {cell['below'][0]} of {cell['below'][1]} contexts below dense"
     prefix = "" if label in COLUMNS else f"{label}: "
     return prefix + text
 

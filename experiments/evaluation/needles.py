@@ -93,3 +93,14 @@ def summarize(scores, contexts, per_context):
                                        generated_exact=round(float(np.mean([x[:, 1] for x in v])),
                                                              4), contexts=len(v))
                           for d, v in sorted(by_depth.items())})
+
+
+def contexts_below(scores, reference, per_context):
+    """The contexts a method answers worse than the reference (dense) on the same contexts,
+    each context scored by the mean of its questions' teacher-forced shares -> (count of
+    contexts below, contexts). scores / reference: [teacher, exact] per (context, question)."""
+    ours = np.asarray(scores, np.float64)[:, 0].reshape(-1, per_context).mean(1)
+    theirs = np.asarray(reference, np.float64)[:, 0].reshape(-1, per_context).mean(1)
+    if ours.shape != theirs.shape:
+        raise ValueError(f"contexts_below: {len(ours)} contexts against {len(theirs)}")
+    return int(np.sum(ours < theirs - 1e-9)), len(ours)

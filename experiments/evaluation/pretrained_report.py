@@ -1,6 +1,7 @@
 """eval.md of `experiments.evaluation.pretrained`: the main table per length, the reuse
 table, selection-only rows, retrieval probes and needles by depth, from its report dict."""
 
+from experiments.evaluation.needles import contexts_below
 from experiments.evaluation.probe_runs import METHODS, split_method
 
 
@@ -119,5 +120,11 @@ def to_markdown(report):
             cells = [f"{pk[m]['by_depth'][depth]['teacher_forced']:.1%} / "
                      f"{pk[m]['by_depth'][depth]['generated_exact']:.1%}" for m in shown]
             lines.append(f"| {depth} | {row['contexts']} | " + " | ".join(cells) + " |")
+        if "dense" in pk:
+            below = [f"{m} {k} of {n}" for m in shown if m != "dense" for k, n in
+                     [contexts_below(pk[m]["scores"], pk["dense"]["scores"],
+                                     pk["per_sequence"])]]
+            lines += ["", "Needles below dense (a context whose questions' mean teacher-forced "
+                      "share is below dense's): " + ", ".join(below)]
     lines += ["", f"Command: `{report['command']}`", ""]
     return "\n".join(lines)

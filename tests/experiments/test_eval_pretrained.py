@@ -245,7 +245,19 @@ def test_needle_sweep_runs_from_the_command_line(tiny, tmp_path):
     assert r["kind"] == "needle" and r["dense"]["probes"] == 10
     assert len(r["dense"]["by_depth"]) == 5 and "token_vs_dense" in r["oracle"]
     assert (tmp_path / "b" / "needle_256.json").exists()
-    assert "oracle" in (tmp_path / "eval.md").read_text()
+    report = (tmp_path / "eval.md").read_text()
+    assert "oracle" in report and "Needles below dense" in report
+
+
+def test_contexts_below_dense_pair_each_context_with_its_own():
+    from experiments.evaluation.needles import contexts_below
+
+    dense = [[1.0, 1], [0.5, 0], [0.5, 0], [0.5, 0], [1.0, 1], [1.0, 1]]  # 3 contexts x 2
+    sparse = [[1.0, 1], [0.4, 0], [0.6, 0], [0.4, 0], [1.0, 1], [1.0, 1]]
+    assert contexts_below(sparse, dense, 2) == (1, 3)  # context 0 below; 1 ties at 0.5
+    assert contexts_below(dense, dense, 2) == (0, 3)
+    with pytest.raises(ValueError, match="contexts_below"):
+        contexts_below(sparse[:4], dense, 2)
 
 
 @pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
