@@ -121,9 +121,12 @@ def to_markdown(report):
                      f"{pk[m]['by_depth'][depth]['generated_exact']:.1%}" for m in shown]
             lines.append(f"| {depth} | {row['contexts']} | " + " | ".join(cells) + " |")
         if "dense" in pk:
-            below = [f"{m} {k} of {n}" for m in shown if m != "dense" for k, n in
-                     [contexts_below(pk[m]["scores"], pk["dense"]["scores"],
-                                     pk["per_sequence"])]]
+            below = []
+            for m in shown:
+                if m != "dense":
+                    k, n = contexts_below(pk[m]["scores"], pk["dense"]["scores"],
+                                          pk["per_sequence"])
+                    below.append(f"{m} {k} of {n}")
             lines += ["", "Needles below dense (a context whose questions' mean teacher-forced "
                       "share is below dense's): " + ", ".join(below)]
     lines += ["", f"Command: `{report['command']}`", ""]

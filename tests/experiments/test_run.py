@@ -108,7 +108,6 @@ def test_random_weights_need_a_preset():
 def test_h200_config_is_v32_shaped_with_four_layers():
     """run_h200.yaml names V3.2's true dimensions, cut to one dense and three MoE layers;
     the shapes come from nnx.eval_shape (the ~80 GB model is never allocated here)."""
-
     from flax import nnx
 
     from experiments.ttft.study import preset_config
@@ -154,7 +153,6 @@ def test_smollm2_config_modes_apply_to_the_shipped_retrofit():
     """run_smollm2.yaml's modes are valid on SmolLM2's stored config (read without its
     weights): the reuse mode runs 15 of the 30 indexers, hierarchical keeps a budget below
     the 8K context, and dense is there for fidelity vs dense."""
-
     from model.pretrained.indexer_weights import read_indexer_meta
     from model.pretrained.registry import default_indexer_dir
 
