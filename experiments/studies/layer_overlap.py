@@ -1,8 +1,8 @@
 """How much the layers' selections overlap on a real model: what reusing one layer's top-k in
 later layers (IndexCache; GLM-5's `shared` layers; SGLang's index_topk_freq) could keep.
 
-    python -m experiments.studies.layer_overlap [--model smollm2-135m] [--lengths 8192,16384]
-        [--queries 1024] [--threshold 0.7] [--out DIR]
+    python -m experiments.studies.layer_overlap [--model smollm2-135m] [--indexer-dir DIR]
+        [--lengths 8192,16384] [--queries 1024] [--threshold 0.7] [--out DIR]
 
 For each length the model's own prefill, sparse with flat selection as deployed, captures
 every layer's selection for the last --queries positions of held-out text. overlap(l, m) =
@@ -28,6 +28,7 @@ import numpy as np
 
 from experiments.common import (
     add_out_argument,
+    display_path,
     enable_compile_cache,
     machine_description,
     write_json,
@@ -106,7 +107,8 @@ def study_length(model, tokens, queries, threshold):
 
 
 def markdown(result):
-    lines = [f"Layer overlap of the flat selection: {result['model']}, top_k {result['top_k']}, "
+    lines = [f"Layer overlap of the flat selection: {result['model']} (indexer "
+             f"{result.get('indexer', 'shipped')}), top_k {result['top_k']}, "
              f"last {result['queries']} queries of held-out text. {result['machine']}.", ""]
     for r in result["lengths"]:
         lines += [f"L = {r['length']} (prefill {r['prefill_s']} s):", "",
@@ -129,6 +131,9 @@ def markdown(result):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--indexer-dir", default="default",
+                   help="trained indexer weights (default: the model's shipped ones), e.g. a "
+                        "retrofit stage's")
     p.add_argument("--lengths", default="8192,16384")
     p.add_argument("--queries", type=int, default=1024)
     p.add_argument("--threshold", type=float, default=0.7)
@@ -146,8 +151,9 @@ def main(argv=None):
         machine=machine_description(), lengths=[])
     for L in lengths:  # each length with its own position interpolation, as evaluated
         source = load_source(model_name=args.model, max_length=L, attention="sparse",
-                             indexer="flat")
+                             indexer="flat", indexer_dir=args.indexer_dir)
         result["top_k"] = source.model.config.top_k
+        result["indexer"] = display_path(source.directory)
         result["lengths"].append(study_length(source.model, eval_sequence(
             source.heldout_tokens, L), args.queries, args.threshold))
         print(f"L={L} done ({time.monotonic() - t0:.0f} s)", flush=True)
