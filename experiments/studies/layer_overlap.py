@@ -108,7 +108,7 @@ def study_length(model, tokens, queries, threshold):
 
 def markdown(result):
     lines = [f"Layer overlap of the flat selection: {result['model']} (indexer "
-             f"{result.get('indexer', 'shipped')}), top_k {result['top_k']}, "
+             f"{result['indexer']}), top_k {result['top_k']}, "
              f"last {result['queries']} queries of held-out text. {result['machine']}.", ""]
     for r in result["lengths"]:
         lines += [f"L = {r['length']} (prefill {r['prefill_s']} s):", "",
