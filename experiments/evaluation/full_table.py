@@ -23,9 +23,11 @@ import sys
 
 from experiments.common import display_path
 from experiments.evaluation.needles import contexts_below
+from model.pretrained.registry import file_sha256
 
 COLUMNS = ("dense", "oracle", "sparse_flat", "sparse_hier")
-DEFAULT_RESULTS = pathlib.Path(__file__).resolve().parents[2] / "results" / "pretrained"
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+DEFAULT_RESULTS = REPO_ROOT / "results" / "pretrained"
 
 
 def _setting(config):
@@ -59,24 +61,29 @@ def _cell_key(method, budget):
 
 
 def _entries(path):
-    """One eval.json or proxy.json -> [(row key, column, label, measure, cell dict)]."""
+    """One eval.json or proxy.json -> [(row key, column, label, measure, cell dict)]; a row
+    key's indexer is its weights' sha256 where recorded (a folder's weights change when a
+    better indexer is shipped), else its folder; the cell names the folder."""
     data = json.loads(path.read_text())
     folder = display_path(path.parent)
     out = []
     if path.name == "proxy.json":
-        indexer, setting = data["indexer"], _setting(data.get("config", {}))
+        named = data["indexer"]
+        indexer, setting = data.get("indexer_sha256") or named, _setting(data.get("config", {}))
         for run in data.get("copy", []):
             if (path.parent / f"copy_{run['length']}" / "eval.json").exists():
                 continue  # the proxy's own run is there, with every cell and its setting
             row = (indexer, "copy", run["length"], setting)
             out.append((row, "dense", "dense", run["sequences"],
-                        {"acc": run["dense"], "folder": folder}))
+                        {"acc": run["dense"], "folder": folder, "indexer": named}))
             column, label = _cell_key(data["method"], None)
             out.append((row, column, label, run["sequences"], {
                 "acc": run["method"], "diff": run["vs_dense"], "diff_ci": run["vs_dense_ci95"],
-                "folder": folder}))
+                "folder": folder, "indexer": named}))
         return out
-    indexer = data.get("info", {}).get("indexer", "?")
+    info = data.get("info", {})
+    named = info.get("indexer", "?")
+    indexer = info.get("indexer_sha256") or named
     setting = _setting(data.get("config", {}))
     budget = data.get("hierarchical_budget")
     for length in data["lengths"]:
@@ -97,7 +104,7 @@ def _entries(path):
                     "acc": r["token_accuracy"], "ci": r["token_ci95"],
                     "exact": (r["correct"], r["probes"]), "diff": r.get("token_vs_dense"),
                     "diff_ci": r.get("token_vs_dense_ci95"), "below": below,
-                    "folder": folder}))
+                    "folder": folder, "indexer": named}))
         pairs = length.get("pairs", {})
         for method, m in (length.get("methods") or {}).items():
             if not isinstance(m, dict) or "perplexity" not in m:
@@ -108,7 +115,8 @@ def _entries(path):
             agreement = (pairs.get(f"{method}|dense") or {}).get("agreement")
             out.append((row, column, label, m.get("windows", 1), {
                 "ppl": m["perplexity"], "gap": m.get("ppl_vs_dense"),
-                "gap_ci": m.get("ppl_vs_dense_ci95"), "top1": agreement, "folder": folder}))
+                "gap_ci": m.get("ppl_vs_dense_ci95"), "top1": agreement, "folder": folder,
+                "indexer": named}))
     return out
 
 
@@ -124,10 +132,29 @@ def gather(results_dir):
             kept = slot["cells"].setdefault(column, {}).get(label)
             if kept is None or count > kept[0]:
                 slot["cells"][column][label] = (count, cell)
-    for slot in rows.values():
-        slot["folders"] = sorted({cell["folder"] for labels in slot["cells"].values()
-                                  for _, cell in labels.values()})
+    indexer_folders = {}
+    for key, slot in rows.items():
+        cells = [cell for labels in slot["cells"].values() for _, cell in labels.values()]
+        slot["folders"] = sorted({cell["folder"] for cell in cells})
+        indexer_folders.setdefault(key[0], set()).update(cell["indexer"] for cell in cells)
+    for key, slot in rows.items():
+        slot["indexer"] = indexer_name(key[0], indexer_folders[key[0]])
     return rows
+
+
+def indexer_name(identity, folders):
+    """The folders an indexer was evaluated from, with its digest; a folder that holds other
+    weights today is marked, so a figure of a replaced indexer is never read as the shipped
+    one's."""
+    if len(identity) != 64:  # no digest recorded: the folder is all there is
+        return identity
+    names = []
+    for folder in sorted(folders):
+        weights = REPO_ROOT / folder / "indexer.safetensors"
+        if weights.is_file() and file_sha256(weights) != identity:
+            folder += " (earlier weights)"
+        names.append(folder)
+    return " = ".join(names) + f" [sha256 {identity[:8]}]"
 
 
 def _format(label, cell, perplexity):
@@ -160,8 +187,9 @@ def markdown(rows):
     order = {"copy": 0, "copy_rare": 1, "needle": 2, "passkey": 3, "perplexity": 4}
     lines = ["| indexer | probe | L | setting | n | dense | oracle | sparse flat | "
              "sparse hierarchical | other | from |", "|" + "---|" * 11]
-    for key in sorted(rows, key=lambda k: (k[0], order.get(k[1], 9), k[2], k[3])):
-        indexer, probe, L, setting = key
+    for key in sorted(rows, key=lambda k: (rows[k]["indexer"], order.get(k[1], 9), k[2], k[3])):
+        _, probe, L, setting = key
+        indexer = rows[key]["indexer"]
         cells, counts = [], set()
         for column in (*COLUMNS, "other"):
             texts = []

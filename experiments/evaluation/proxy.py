@@ -33,7 +33,7 @@ from model.pretrained import load_pretrained
 
 def heldout_kl(model_name, indexer_dir, length):
     """The indexer's KL to the dense attention target on the held-out window (the warm-up's
-    held-out loss) -> (KL, seconds)."""
+    held-out loss) -> (KL, seconds, the loaded model's info: its indexer folder and digest)."""
     t = time.monotonic()
     pre = load_pretrained(model_name, indexer_dir=indexer_dir, attention="dense")
     window = heldout_text_tokens(pre.tokenizer)[HELDOUT_OFFSET:HELDOUT_OFFSET + length][None]
@@ -41,7 +41,7 @@ def heldout_kl(model_name, indexer_dir, length):
     trainable, frozen = ts.trainable_of("indexer_warmup", main_p, idx_p)
     kl = float(ts.make_eval_loss(graphdef, "indexer_warmup")(trainable, frozen, rest, window))
     jax.clear_caches()
-    return kl, round(time.monotonic() - t, 1)
+    return kl, round(time.monotonic() - t, 1), pre.info
 
 
 def parse_copy(text):
@@ -71,9 +71,11 @@ def main(argv=None):
     out = pathlib.Path(args.out)
     t0 = time.monotonic()
     indexer_dir = None if args.indexer_dir == "none" else args.indexer_dir
-    kl, kl_s = heldout_kl(args.model, indexer_dir, args.kl_length)
+    kl, kl_s, info = heldout_kl(args.model, indexer_dir, args.kl_length)
     print(f"held-out KL at {args.kl_length}: {kl:.4f} ({kl_s} s)", flush=True)
-    report = dict(model=args.model, indexer=args.indexer_dir, method=args.method,
+    indexer = info["indexer"] if info["indexer"] == "fresh" else display_path(info["indexer"])
+    report = dict(model=args.model, indexer=indexer, indexer_sha256=info.get("indexer_sha256"),
+                  method=args.method,
                   heldout_kl=dict(length=args.kl_length, kl=round(kl, 5), wall_s=kl_s), copy=[])
     for length, n in copies:
         run = out / f"copy_{length}"
@@ -97,7 +99,7 @@ def main(argv=None):
             wall_s=m["wall_s"], dense_source=d["source"]))
     report["wall_s"] = round(time.monotonic() - t0, 1)
     write_json(out / "proxy.json", report)
-    lines = [f"# Quick proxy: {args.model}, {args.method}, indexer {args.indexer_dir}", "",
+    lines = [f"# Quick proxy: {args.model}, {args.method}, indexer {indexer}", "",
              f"- held-out KL at {args.kl_length}: {kl:.4f} ({kl_s} s)"]
     for c in report["copy"]:
         lo, hi = c["vs_dense_ci95"]

@@ -20,6 +20,7 @@ from model.memory import check_fits, device_memory_bytes
 from model.pretrained.fp8 import block_size as fp8_block_size
 from model.pretrained.gguf_file import GGUFCheckpoint
 from model.pretrained.indexer_weights import (
+    WEIGHTS_FILE,
     has_indexer_weights,
     load_indexer_weights,
     read_indexer_meta,
@@ -203,6 +204,9 @@ def load_pretrained(name_or_path, *, dtype=None, indexer_dir="default", seed=0, 
                                         f"with sha256 {base['sha256']}, not {path}")
         config = stored.replace(dtype=dtype)
         info["indexer"] = str(indexer_dir)
+        # What a result was measured with: a folder's weights change when a better indexer
+        # is shipped, the digest does not.
+        info["indexer_sha256"] = file_sha256(pathlib.Path(indexer_dir) / WEIGHTS_FILE)
     if overrides:
         config = config.replace(**overrides)
     model = build_transformer(config, checkpoint.read, source=path, seed=seed)

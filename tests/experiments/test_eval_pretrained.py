@@ -273,6 +273,7 @@ def test_quick_proxy_reuses_the_dense_baseline(tiny, tmp_path):
     assert two["copy"][0]["dense_source"] == "baseline"
     assert one["copy"][0]["vs_dense"] == two["copy"][0]["vs_dense"]
     assert one["heldout_kl"]["kl"] == two["heldout_kl"]["kl"] > 0
+    assert one["indexer"] == "fresh" and one["indexer_sha256"] is None
 
 
 def test_window_gap_interval_pairs_windows():

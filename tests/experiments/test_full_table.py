@@ -73,3 +73,31 @@ def test_a_proxy_that_did_not_record_its_setting_claims_none(tmp_path):
         "copy", 2048, 40, [("dense", 0.874, None), ("sparse_flat", 0.854, -0.02)],
         indexer="idx/c")))
     assert list(full_table.gather(tmp_path)) == [("idx/c", "copy", 2048, "top_k 1024")]
+
+
+def test_an_indexer_is_its_weights_not_its_folder(tmp_path, monkeypatch):
+    """Runs of the same weights from two folders share rows; a folder whose weights were
+    replaced since (a better indexer shipped) is marked on the rows of its old weights."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "indexer.safetensors").write_bytes(b"new weights")
+    new = full_table.file_sha256(tmp_path / "ckpt" / "indexer.safetensors")
+    old = "0" * 64
+    monkeypatch.setattr(full_table, "REPO_ROOT", tmp_path)
+    results = tmp_path / "results"
+    results.mkdir()
+
+    def run(name, folder, digest, length):
+        data = _retrieval("copy", length, 16, [("dense", 0.8, None), ("sparse_flat", 0.7, -0.1)],
+                          indexer=folder)
+        data["info"]["indexer_sha256"] = digest
+        _write(results, name, data)
+
+    run("before", "ckpt", old, 2048)
+    run("stage", "stage4", new, 2048)
+    run("shipped", "ckpt", new, 4096)
+    rows = full_table.gather(results)
+    assert {key[0] for key in rows} == {old, new}
+    names = {key[0]: slot["indexer"] for key, slot in rows.items()}
+    assert names[old] == "ckpt (earlier weights) [sha256 00000000]"
+    assert names[new] == f"ckpt = stage4 [sha256 {new[:8]}]"
+    assert len([key for key in rows if key[0] == new]) == 2  # its 2K and 4K rows

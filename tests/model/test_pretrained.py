@@ -1,6 +1,8 @@
 """Llama checkpoints in both formats load into the same Transformer with the same logits;
 bad files fail with errors that name the file and the tensor."""
 
+import hashlib
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -157,8 +159,12 @@ def test_indexer_weights_round_trip_and_refuse_another_base(checkpoints, tmp_pat
         load_pretrained(tmp / "tiny.gguf", indexer_dir=tmp_path / "idx")
     save_indexer_weights(tmp_path / "idx", trained, base={},
                          config=trained.config.replace(attention="sparse", top_k=8))
-    loaded = load_pretrained(tmp / "tiny.gguf", indexer_dir=tmp_path / "idx", seed=9).model
+    pre = load_pretrained(tmp / "tiny.gguf", indexer_dir=tmp_path / "idx", seed=9)
+    loaded = pre.model
     assert loaded.config.attention == "sparse" and loaded.config.top_k == 8
+    # Results name the weights they were measured with, not only their folder.
+    assert pre.info["indexer_sha256"] == hashlib.sha256(
+        (tmp_path / "idx" / "indexer.safetensors").read_bytes()).hexdigest()
     np.testing.assert_array_equal(np.asarray(loaded.layers[1].indexer.wq.kernel[...]),
                                   np.asarray(trained.layers[1].indexer.wq.kernel[...]))
     fresh = load_pretrained(tmp / "tiny.gguf", seed=9).model
