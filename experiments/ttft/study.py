@@ -76,6 +76,8 @@ def load_source(source, capacity):
         overrides.setdefault("max_seq_len", length_bucket(capacity))
         pre = load_pretrained(source.pretrained, **overrides)
         indexer = display_path(pre.info["indexer"])
+        if pre.info.get("indexer_sha256"):  # the folder's weights change when one is shipped
+            indexer += f", sha256 {pre.info['indexer_sha256'][:8]}"
         return (pre.model, f"pretrained {source.pretrained} (indexer: {indexer}; text: "
                            f"held-out Python documentation, pydoc topics)",
                 False, heldout_text_tokens(pre.tokenizer))
