@@ -24,6 +24,7 @@ class ModelSource:
     directory: pathlib.Path  # where its trained parts (indexer, coarse screen) live
     train_tokens: np.ndarray
     heldout_tokens: np.ndarray
+    indexer_sha256: str | None = None  # a pretrained model's indexer weights (what was measured)
 
 
 def load_source(*, model_name=None, checkpoint=None, max_length, **overrides):
@@ -48,7 +49,7 @@ def load_source(*, model_name=None, checkpoint=None, max_length, **overrides):
         train_names, _ = split_documents(list_documents())
         train = token_stream(pre.tokenizer, train_names, cache=cache_dir() / "corpus")
         return ModelSource(model_name, pre.model, pathlib.Path(pre.info["indexer"]), train,
-                           heldout_text_tokens(pre.tokenizer))
+                           heldout_text_tokens(pre.tokenizer), pre.info.get("indexer_sha256"))
     from experiments.data import Corpus
     from model.checkpoint import default_checkpoint_dir, load_default_model
 

@@ -50,6 +50,7 @@ import indexer
 from experiments.benchmarks.support import jit_block_summaries, median_interleaved
 from experiments.common import (
     add_out_argument,
+    display_path,
     enable_compile_cache,
     machine_description,
     parse_hierarchical,
@@ -189,7 +190,9 @@ def summarize(L, per_layer, runs, tiles):
 
 def markdown(result):
     fastest = ", ".join(f"L={x['length']}: {x['fastest_exact']}" for x in result["lengths"])
-    lines = [f"Recall-speed frontier: {result['model']}, last {result['queries']} queries, "
+    digest = result.get("indexer_sha256")
+    model = result["model"] + (f" (indexer sha256 {digest[:8]})" if digest else "")
+    lines = [f"Recall-speed frontier: {model}, last {result['queries']} queries, "
              f"top_k {result['top_k']}, blocks of {result['block_size']}; speedup = the "
              f"fastest exact flat path's time ({fastest}) / the row's, summed over "
              f"{result['layers']} layers, recall vs flat (mean over layers); streaming rows: "
@@ -323,7 +326,8 @@ def main(argv=None):
         except ValueError as e:
             p.error(f"--reuse {pattern}: {e}")
     result = dict(command="python -m experiments.benchmarks.frontier " + shlex.join(
-        sys.argv[1:] if argv is None else argv), model=source.name, top_k=top_k,
+        sys.argv[1:] if argv is None else argv), model=source.name,
+        indexer=display_path(source.directory), indexer_sha256=source.indexer_sha256, top_k=top_k,
         block_size=base.block_size, queries=args.queries, layers=model.config.n_layers,
         machine=machine_description(), python=platform.python_version(),
         jax=jax.__version__, base_config=base.to_dict(), lengths=[])
