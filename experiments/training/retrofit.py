@@ -98,12 +98,12 @@ def exact_heldout_kl(model, tokenizer, length):
     return kl
 
 
-def parse_span_tokens(text):
+def parse_span_tokens(text, flag="--span-tokens"):
     lo, _, hi = text.partition(",")
     try:
         return int(lo), int(hi or lo)
     except ValueError:
-        raise ValueError(f"--span-tokens takes LO,HI (token counts), got {text!r}") from None
+        raise ValueError(f"{flag} takes LO,HI (token counts), got {text!r}") from None
 
 
 def main(argv=None):
@@ -124,6 +124,9 @@ def main(argv=None):
                    help="share of windows with repeated spans")
     p.add_argument("--spans", type=int, default=8, help="repeated spans per such window")
     p.add_argument("--span-tokens", default="16,128", metavar="LO,HI")
+    p.add_argument("--copy-distance", default=None, metavar="LO,HI",
+                   help="each copy's distance back to its source, uniform in [LO, HI] "
+                        "tokens (default: source and destination uniform in the window)")
     p.add_argument("--copy-rows", type=float, default=0.0,
                    help="share of a repeat window's rows drawn inside its copies; > 0 adds "
                         "a held-out window with repeats, and the stage's criterion becomes "
@@ -145,6 +148,8 @@ def main(argv=None):
         plan = WindowPlan(length=args.seq_len, rows=args.rows, first_row=args.first_row,
                           repeat_share=args.repeat_share, spans=args.spans,
                           span_tokens=parse_span_tokens(args.span_tokens),
+                          copy_distance=args.copy_distance and parse_span_tokens(
+                              args.copy_distance, "--copy-distance"),
                           copy_rows=args.copy_rows, seed=args.seed)
     except ValueError as e:
         p.error(str(e))
@@ -182,7 +187,8 @@ def main(argv=None):
                                               seed=args.seed + 1_000_003), dict(repeats=[])
         if plan.copy_rows > 0:  # the same text with the plan's repeats, rows in the copies
             held, placed = repeat_spans(held, np.random.default_rng([args.seed, 37]),
-                                        spans=plan.spans, span_tokens=plan.span_tokens)
+                                        spans=plan.spans, span_tokens=plan.span_tokens,
+                                        distance=plan.copy_distance)
             yield HELDOUT_COPY, held, window_rows(plan, held, placed, seed=args.seed + 37,
                                                   count=args.heldout_rows), dict(repeats=placed)
         for i in range(args.windows):
@@ -300,6 +306,7 @@ def main(argv=None):
             f"{args.copy_rows:g} of its rows in the copies)" if args.copy_rows > 0 else ""),
         heldout_kl_parts=record.get("heldout_parts"), copy_rows=args.copy_rows,
         spans=args.spans, span_tokens=list(plan.span_tokens),
+        copy_distance=plan.copy_distance and list(plan.copy_distance),
         heldout_kl_exact=exact)
     ship_stage(out, model, args, pre, summary, record)
     print(json.dumps({k: v for k, v in summary.items() if k != "heldout_kl"}, indent=1))

@@ -45,6 +45,10 @@ class WindowPlan:
     repeat_share: float = 0.5  # windows with repeated spans
     spans: int = 8  # repeated spans per such window
     span_tokens: tuple[int, int] = (16, 128)  # each span's length, uniform in [lo, hi]
+    # Each copy's distance back to its source, uniform in [lo, hi]; None: source and
+    # destination uniform in the window, so that copies are mostly near (P(distance >
+    # length / 2) ~ 0.15) while the probes' sources at 8K sit 2-6K tokens back.
+    copy_distance: tuple[int, int] | None = None
     copy_rows: float = 0.0  # share of a repeat window's rows drawn inside intact copies
     seed: int = 0
 
@@ -61,6 +65,12 @@ class WindowPlan:
         if not 1 <= lo <= hi or 2 * hi > self.length:
             raise ValueError(f"{where}.span_tokens (lo, hi) must satisfy 1 <= lo <= hi <= "
                              f"length / 2 = {self.length // 2}, got {self.span_tokens}")
+        if self.copy_distance is not None:
+            d_lo, d_hi = self.copy_distance
+            if not hi <= d_lo <= d_hi <= self.length - hi:
+                raise ValueError(f"{where}.copy_distance (lo, hi) must satisfy span_tokens' hi "
+                                 f"({hi}) <= lo <= hi <= length - {hi} = {self.length - hi}, "
+                                 f"got {self.copy_distance}")
         if not 0.0 <= self.copy_rows <= 1.0:
             raise ValueError(f"{where}.copy_rows must be in [0, 1], got {self.copy_rows}")
         if self.spans < 0:
@@ -76,16 +86,22 @@ def stratified_rows(length, rows, *, seed, first=0):
     return (lo + np.floor(rng.random(rows) * np.maximum(hi - lo, 1))).astype(np.int32)
 
 
-def repeat_spans(tokens, rng, *, spans, span_tokens):
+def repeat_spans(tokens, rng, *, spans, span_tokens, distance=None):
     """A copy of `tokens` in which `spans` spans reappear later in the window at random
-    distances -> (tokens, [(source, destination, length)])."""
+    distances (distance: (lo, hi), each uniform in it; None: source and destination
+    uniform) -> (tokens, [(source, destination, length)])."""
     out = np.array(tokens, copy=True)
     T, lo, hi = len(out), span_tokens[0], span_tokens[1]
     placed = []
     for _ in range(spans):
         n = int(rng.integers(lo, hi + 1))
-        src = int(rng.integers(0, T - 2 * n + 1))
-        dst = int(rng.integers(src + n, T - n + 1))
+        if distance is None:
+            src = int(rng.integers(0, T - 2 * n + 1))
+            dst = int(rng.integers(src + n, T - n + 1))
+        else:
+            gap = int(rng.integers(distance[0], min(distance[1], T - n) + 1))
+            src = int(rng.integers(0, T - n - gap + 1))
+            dst = src + gap
         out[dst:dst + n] = out[src:src + n]
         placed.append((src, dst, n))
     return out, placed
@@ -133,7 +149,8 @@ def training_window(stream, plan, index):
     rng = np.random.default_rng([plan.seed, 29, index])
     if rng.random() >= plan.repeat_share:
         return tokens, dict(repeats=[])
-    tokens, placed = repeat_spans(tokens, rng, spans=plan.spans, span_tokens=plan.span_tokens)
+    tokens, placed = repeat_spans(tokens, rng, spans=plan.spans, span_tokens=plan.span_tokens,
+                                  distance=plan.copy_distance)
     return tokens, dict(repeats=placed)
 
 

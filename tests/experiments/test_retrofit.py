@@ -92,6 +92,25 @@ def test_rows_are_stratified_and_spans_repeat_where_recorded():
         WindowPlan(length=64, rows=4, repeat_share=1.5)
 
 
+def test_copy_distance_puts_every_source_that_far_back():
+    """--copy-distance: each copy's source lies [lo, hi] tokens before it (the default draw
+    makes far copies rare), and a range a span cannot fit is refused by name."""
+    base = np.arange(4096)
+    out, placed = repeat_spans(base, np.random.default_rng(3), spans=32, span_tokens=(4, 64),
+                               distance=(2048, 3072))
+    assert len(placed) == 32
+    for src, dst, n in placed:
+        assert 2048 <= dst - src <= 3072 and src >= 0 and dst + n <= 4096
+    src, dst, n = placed[-1]
+    np.testing.assert_array_equal(out[dst:dst + n], base[src:src + n])
+    _, near = repeat_spans(base, np.random.default_rng(3), spans=32, span_tokens=(4, 64))
+    assert np.median([d - s for s, d, _ in near]) < 2048
+    with pytest.raises(ValueError, match=r"WindowPlan.copy_distance \(lo, hi\) must satisfy"):
+        WindowPlan(length=4096, rows=4, span_tokens=(4, 64), copy_distance=(32, 1024))
+    with pytest.raises(ValueError, match="WindowPlan.copy_distance"):
+        WindowPlan(length=4096, rows=4, span_tokens=(4, 64), copy_distance=(64, 4090))
+
+
 def test_copy_rows_lie_inside_intact_copies_and_the_count_holds():
     """copy_rows puts that share of the rows where a copy's source predicts the next token
     (inside the copy, not its first token, the copy intact up to there); the rest stay
