@@ -137,8 +137,10 @@ def gather(results_dir):
         cells = [cell for labels in slot["cells"].values() for _, cell in labels.values()]
         slot["folders"] = sorted({cell["folder"] for cell in cells})
         indexer_folders.setdefault(key[0], set()).update(cell["indexer"] for cell in cells)
+    names = {identity: indexer_name(identity, folders)  # hashes each folder's weights once
+             for identity, folders in indexer_folders.items()}
     for key, slot in rows.items():
-        slot["indexer"] = indexer_name(key[0], indexer_folders[key[0]])
+        slot["indexer"] = names[key[0]]
     return rows
 
 
@@ -146,7 +148,7 @@ def indexer_name(identity, folders):
     """The folders an indexer was evaluated from, with its digest; a folder that holds other
     weights today is marked, so a figure of a replaced indexer is never read as the shipped
     one's."""
-    if len(identity) != 64:  # no digest recorded: the folder is all there is
+    if identity in folders:  # no digest recorded: the folder is all there is
         return identity
     names = []
     for folder in sorted(folders):

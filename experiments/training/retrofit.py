@@ -98,7 +98,7 @@ def exact_heldout_kl(model, tokenizer, length):
     return kl
 
 
-def parse_span_tokens(text, flag="--span-tokens"):
+def parse_token_range(text, flag):
     lo, _, hi = text.partition(",")
     try:
         return int(lo), int(hi or lo)
@@ -147,8 +147,8 @@ def main(argv=None):
     try:
         plan = WindowPlan(length=args.seq_len, rows=args.rows, first_row=args.first_row,
                           repeat_share=args.repeat_share, spans=args.spans,
-                          span_tokens=parse_span_tokens(args.span_tokens),
-                          copy_distance=args.copy_distance and parse_span_tokens(
+                          span_tokens=parse_token_range(args.span_tokens, "--span-tokens"),
+                          copy_distance=args.copy_distance and parse_token_range(
                               args.copy_distance, "--copy-distance"),
                           copy_rows=args.copy_rows, seed=args.seed)
     except ValueError as e:
