@@ -87,7 +87,9 @@ class HierarchicalConfig(FrozenConfig):
       token (a "needle").
     fast_ranking: in approximate mode, rank each query's candidate tokens with one sort of
       packed int32 keys (hierarchical.packed_topk: ~1.5x faster than lax.top_k on CPU;
-      scores within ~1e-4 relative of each other may swap places). Exact mode never does.
+      scores within ~1e-4 relative of each other may swap places), and rows wider than
+      2^PACKED_MAX_COLUMN_BITS newest token first (hierarchical.newest_first_topk: equal
+      scores go to the later token). Exact mode never does.
     exact: after the approximate pass, keep rescoring blocks whose upper bound reaches the
       current k-th score until none does: the result equals flat top_k (ties aside).
     refine_blocks: blocks per query tile rescored in each exact-mode round.

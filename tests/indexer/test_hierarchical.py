@@ -10,6 +10,7 @@ from indexer import HierarchicalConfig
 from indexer.block_summaries import block_summaries
 from indexer.candidates import forced_blocks, table_slots, tile_candidate_union
 from indexer.exact import block_upper_bounds
+from indexer.hierarchical import newest_first_topk, packed_topk
 from tests.helpers import brute_force_scores, random_indexer_inputs
 
 
@@ -121,12 +122,30 @@ def test_a_budget_covering_all_tokens_equals_flat(kw):
     assert_equals_flat_topk(ratio, q, w, k, top_k, L - T)
 
 
+def test_rows_wider_than_the_packed_sort_rank_newest_first():
+    rng = np.random.default_rng(1)
+    scores = rng.standard_normal((4, 300)).astype(np.float32)
+    scores[:, 250:] = -np.inf
+    scores[0, [3, 7, 200]] = 9.0  # a tie: the later column first
+    values, cols = newest_first_topk(jnp.asarray(scores), 20)
+    want_values, want_cols = jax.lax.top_k(jnp.asarray(scores), 20)
+    np.testing.assert_array_equal(cols[0, :3], [200, 7, 3])
+    np.testing.assert_array_equal(values, want_values)
+    np.testing.assert_array_equal(np.sort(cols[1:], 1), np.sort(want_cols[1:], 1))
+    # Candidates covering 4224 tokens: each query's row is wider than 2^12 columns.
+    T, L, top_k = 6, 4200, 16
+    q, w, k = random_indexer_inputs(12, T, L)
+    got = indexer.hierarchical_topk(q, w, k, top_k, HierarchicalConfig(
+        block_size=64, candidate_tokens=4224, fast_ranking=True), q_offset=L - T)
+    assert_equals_flat_topk(got, q, w, k, top_k, L - T)
+
+
 def test_fast_ranking_equals_top_k_up_to_near_ties():
     rng = np.random.default_rng(0)
     scores = (rng.standard_normal((32, 700)) * 10).astype(np.float32)
     scores[:, 100:300] = -np.inf
     scores[0] = 0.0  # all tied: lower columns first, as lax.top_k
-    values, cols = indexer.hierarchical.packed_topk(jnp.asarray(scores), 64)
+    values, cols = packed_topk(jnp.asarray(scores), 64)
     want_values, want_cols = jax.lax.top_k(jnp.asarray(scores), 64)
     np.testing.assert_array_equal(cols[0], np.arange(64))
     np.testing.assert_array_equal(values, np.take_along_axis(scores, np.asarray(cols), 1))
