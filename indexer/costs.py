@@ -36,6 +36,7 @@ class Op:
     k: int = 0
     gather_bytes: float = 0.0  # random row reads ...
     gather_source: float = 0.0  # ... from an array of this many bytes (the largest chunk's)
+    best_first: bool = False  # a top-k whose rows arrive best scores first (newest_first_topk)
 
     def key(self):
         return self.stage, self.name, self.kind, self.k
@@ -218,8 +219,11 @@ def hierarchical_ops(s, T, p0, kv_len, skip):
     if own:
         ops.append(memory_op("indexer", "own candidates", T * width * F32 * 3))
     packed = c.fast_ranking and not c.exact and max(width, s.top_k) <= 1 << PACKED_MAX_COLUMN_BITS
-    ops.append(_sort("rank", T, max(width, s.top_k)) if packed
-               else _topk("rank", T, width, s.top_k))
+    if packed:
+        ops.append(_sort("rank", T, max(width, s.top_k)))
+    else:  # fast ranking past the packed sort reads the row newest (best) first
+        ops.append(dataclasses.replace(_topk("rank", T, width, s.top_k),
+                                       best_first=c.fast_ranking and not c.exact))
     ops.append(memory_op("indexer", "token ids", T * s.top_k * F32 * 3))
     return ops
 

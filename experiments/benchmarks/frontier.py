@@ -173,10 +173,11 @@ def summarize(L, per_layer, runs, tiles):
                  recall=float(np.mean([r[f"streaming/{t}"]["recall"] for r in per_layer])),
                  equal=all(r[f"streaming/{t}"]["equal"] for r in per_layer),
                  kept_blocks=None, run_blocks=None, scored=1.0, ceiling=None) for t in tiles]
-    for name, (method, rule, knob, _cfg) in runs.items():
+    for name, (method, rule, knob, cfg) in runs.items():
         hier_s = sum(r[name]["time_s"] for r in per_layer)
         rows.append(dict(
             name=name, method=method, rule=rule, knob=knob, length=L, hierarchical_s=hier_s,
+            config=cfg.to_dict(),
             speedup=exact[fastest] / hier_s,
             recall=float(np.mean([r[name]["recall"] for r in per_layer])),
             recall_per_layer=[r[name]["recall"] for r in per_layer],

@@ -47,8 +47,10 @@ from experiments.costmodel.rates import (
 )
 from experiments.costmodel.sharding import expert_combine_op
 from experiments.costmodel.validate import (
+    cpu_frontier_rows,
     cpu_prefill_rows,
     cpu_selection_rows,
+    frontier_model_config,
     h200_rows,
     ratio_rows,
     summary,
@@ -302,6 +304,9 @@ def main(argv=None):
     validation = []
     if cpu_small is not None:
         validation += cpu_prefill_rows(cpu_small) + cpu_selection_rows(cpu_small)
+        frontier_config = frontier_model_config()
+        if frontier_config is not None:
+            validation += cpu_frontier_rows(measure_cpu_rates(frontier_config), frontier_config)
     validation += h200_rows(calibration, KERNEL_JSON)
     ratios = ratio_rows(validation)
     result = {

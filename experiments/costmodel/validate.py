@@ -10,6 +10,9 @@ shapes and the same code path as the run that measured it:
         hierarchical selection (its pipeline of record: one table of the best coarse blocks
         per query tile), sparse and dense attention. Rows at the file's shortest length are
         the GPU calibration points; the longer ones are out-of-sample.
+  cpu   results/frontier/smollm2-135m/frontier.json: flat and hierarchical selection of the
+        last `queries` queries over SmolLM2's layers, one row per hierarchical config the
+        frontier records (rates measured on SmolLM2's shapes: frontier_rates).
 """
 
 import json
@@ -26,6 +29,7 @@ from model.costs import AttentionShape, attention_ops, prefill_counts, selection
 
 PREFILL_JSON = REPO_ROOT / "results" / "bench_prefill_small_sparse.json"
 INDEXER_JSON = REPO_ROOT / "results" / "bench_indexer.json"
+FRONTIER_JSON = REPO_ROOT / "results" / "frontier" / "smollm2-135m" / "frontier.json"
 
 
 def _row(where, what, L, predicted, measured, note=""):
@@ -62,6 +66,46 @@ def cpu_selection_rows(rates, path=INDEXER_JSON):
             measured = statistics.median(r[k][key] for k in kinds)
             rows.append(_row("cpu", f"selection {kind}, last {T} queries", L,
                              stages["indexer"], measured, "median of the input kinds"))
+    return rows
+
+
+def frontier_model_config(path=FRONTIER_JSON):
+    """The model config of the committed frontier's indexer (its dsa.json), or None when the
+    frontier records no per-row hierarchical config (runs before 2026-12-05)."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    if not any("config" in r for block in data["lengths"] for r in block["rows"]):
+        return None
+    meta = json.loads((REPO_ROOT / data["indexer"] / "dsa.json").read_text())
+    return ModelConfig.from_dict(meta["config"])
+
+
+def cpu_frontier_rows(rates, config, path=FRONTIER_JSON):
+    """Selection seconds of the committed frontier (every layer, the last `queries`
+    queries): flat, and each hierarchical row paired with it (its `versus`)."""
+    data = json.loads(pathlib.Path(path).read_text())
+    T, layers = data["queries"], data["layers"]
+    H, d, K = config.index_heads, config.index_dim, data["top_k"]
+    rows = []
+
+    def seconds(selection, L):
+        ops = OpList(selection_ops(selection, T, L - T, L, skip=False))
+        return layers * ops_seconds(ops, rates)[0]["indexer"]
+
+    for block in data["lengths"]:
+        L = block["length"]
+        flat = f"frontier flat, last {T} queries x {layers} layers"
+        rows.append(_row("cpu", flat, L, seconds(Selection("flat", H, d, K, 4), L),
+                         block["flat_s"]))
+        for r in block["rows"]:
+            if "config" not in r or r.get("reuse"):
+                continue
+            sel = Selection("hierarchical", H, d, K, 4, HierarchicalConfig.from_dict(r["config"]))
+            rows.append(_row("cpu", f"frontier hierarchical {r['name']}, last {T} queries x "
+                             f"{layers} layers", L, seconds(sel, L), r["hierarchical_s"])
+                        | {"versus": flat})
     return rows
 
 
@@ -138,8 +182,8 @@ def ratio_rows(rows):
     for (where, what, L), hier in by_key.items():
         if "hierarchical" not in what:
             continue
-        flat = by_key.get((where, what.replace("hierarchical:0", "hierarchical")
-                           .replace("hierarchical", "flat"), L))
+        flat = by_key.get((where, hier.get("versus") or what.replace(
+            "hierarchical:0", "hierarchical").replace("hierarchical", "flat"), L))
         if flat is not None:
             pred = flat["predicted_s"] / hier["predicted_s"]
             meas = flat["measured_s"] / hier["measured_s"]

@@ -1,6 +1,7 @@
 """experiments.costmodel: counts by hand for the tiny preset, scaling, caches, capacity, rates
 from the committed H200 file, the CLI. No timing here (the CPU calibration is a slow test)."""
 
+import dataclasses
 import json
 
 import jax
@@ -9,9 +10,20 @@ from flax import nnx
 
 from experiments.costmodel import cli as costmodel
 from experiments.costmodel.dsa import capacity, models, ttft_rows
-from experiments.costmodel.rates import gpu_rates, kernel_calibration, op_seconds, predict
+from experiments.costmodel.rates import (
+    gpu_rates,
+    kernel_calibration,
+    op_seconds,
+    ops_seconds,
+    predict,
+)
 from experiments.costmodel.sharding import expert_combine_bytes, step_collectives
-from experiments.costmodel.validate import h200_rows, ratio_rows
+from experiments.costmodel.validate import (
+    cpu_frontier_rows,
+    frontier_model_config,
+    h200_rows,
+    ratio_rows,
+)
 from indexer.costs import Op, OpList, hierarchical_sizes, visible_blocks, visible_keys
 from model import Transformer, get_config
 from model.buckets import chunk_plan
@@ -99,6 +111,29 @@ def test_hierarchical_layer_counts_by_hand():
     assert total == 270_336 + 1_605_632 + 32_768
 
 
+def test_ranking_past_the_packed_sort_is_priced_best_first():
+    from indexer.config import HierarchicalConfig
+    from indexer.costs import Selection, hierarchical_ops
+
+    def rank(**fields):
+        config = HierarchicalConfig(block_size=64, candidate_tokens=8192,
+                                    tile_candidate_tokens=8192, **fields)
+        ops = hierarchical_ops(Selection("hierarchical", 4, 64, 1024, 2, config), 512,
+                               32768 - 512, 32768, False)
+        return {op.name: op for op in ops}["rank"]
+
+    # 8192 columns are past the packed sort's 4096: fast ranking reads them newest first,
+    # exact mode keeps lax.top_k in token order.
+    fast, exact = rank(fast_ranking=True), rank(fast_ranking=False)
+    assert fast.kind == exact.kind == "topk" and fast.best_first and not exact.best_first
+    assert fast.elements == exact.elements == 512 * 8192
+    rates = gpu_rates("h200", "bfloat16", kernel_calibration())
+    assert rates.topk_best_first_element is None  # a GPU top-k does not depend on the order
+    assert op_seconds(fast, rates) == op_seconds(exact, rates)
+    cpu = dataclasses.replace(rates, topk_best_first_element=rates.topk_element / 4)
+    assert op_seconds(fast, cpu) < op_seconds(exact, cpu) == op_seconds(exact, rates)
+
+
 def test_parameter_count_matches_the_model():
     model = Transformer(TINY, rngs=nnx.Rngs(0))
     params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -182,6 +217,37 @@ def test_ratio_rows_pair_flat_with_each_hierarchical_variant():
     got = {r["what"]: (r["predicted"], r["measured"], r["error"]) for r in ratio_rows(rows)}
     assert got == {"prefill flat / hierarchical": (2.0, 2.0, 0.0),
                    "prefill flat / hierarchical:0": (4.0, 1.0, 3.0)}
+
+
+def test_frontier_rows_price_each_recorded_config_against_flat(tmp_path):
+    from indexer.config import HierarchicalConfig
+    from indexer.costs import Selection, flat_ops, hierarchical_ops
+
+    wide = HierarchicalConfig(block_size=8, candidate_tokens=64, fast_ranking=True)
+    rows = [{"name": "streaming/256", "hierarchical_s": 3.0},  # no config: not priced
+            {"name": "mean/fixed/64", "hierarchical_s": 0.5, "config": wide.to_dict()},
+            {"name": "mean/fixed/32@freq2", "hierarchical_s": 0.2, "reuse": "freq2",
+             "config": wide.to_dict()}]  # a reuse row runs fewer layers: not priced
+    data = {"queries": 32, "layers": 2, "top_k": 16, "indexer": "x",
+            "lengths": [{"length": 256, "flat_s": 2.0, "rows": rows}]}
+    path = tmp_path / "frontier.json"
+    path.write_text(json.dumps(data))
+    rates = gpu_rates("h200", TINY.dtype, kernel_calibration())
+    got = cpu_frontier_rows(rates, TINY, path)
+    assert [r["measured_s"] for r in got] == [2.0, 0.5]
+    H, d = TINY.index_heads, TINY.index_dim
+    flat = 2 * ops_seconds(OpList(flat_ops(Selection("flat", H, d, 16, 4), 32, 224, 256,
+                                           False)), rates)[0]["indexer"]
+    hier = 2 * ops_seconds(OpList(hierarchical_ops(
+        Selection("hierarchical", H, d, 16, 4, wide), 32, 224, 256, False)),
+        rates)[0]["indexer"]
+    assert [r["predicted_s"] for r in got] == pytest.approx([flat, hier])
+    (ratio,) = ratio_rows(got)
+    assert ratio["predicted"] == pytest.approx(flat / hier) and ratio["measured"] == 4.0
+    # A frontier that records no configs (before 2026-12-05) gives no rows.
+    data["lengths"][0]["rows"] = rows[:1]
+    path.write_text(json.dumps(data))
+    assert frontier_model_config(path) is None
 
 
 def test_predict_splits_and_sequence_parallel():
