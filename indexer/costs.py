@@ -12,7 +12,7 @@ ops carry no bytes: their measured rates include their memory traffic.
 import dataclasses
 import math
 
-from indexer.config import PACKED_MAX_COLUMN_BITS, STREAMING_KEY_TILE, hierarchical_plan
+from indexer.config import STREAMING_KEY_TILE, hierarchical_plan
 
 F32 = 4  # scores, softmax statistics, summaries and index tensors are 4-byte values
 
@@ -22,8 +22,8 @@ class Op:
     """One operation summed over chunks. kind names its rate class (costmodel.rates): a FLOP
     kind ("matmul", "index_scores", "gathered_scores", "sparse_attention",
     "dense_attention"), "topk" (rows, elements = rows x row length, k), "sort" (elements,
-    sort_work = elements x log2(row length)), "memory" (bytes only) or "comm" (bytes over the
-    interconnect)."""
+    sort_work = elements x log2(row length)), "select" (elements: a threshold select's fixed
+    passes over the row), "memory" (bytes only) or "comm" (bytes over the interconnect)."""
 
     stage: str
     name: str
@@ -36,7 +36,6 @@ class Op:
     k: int = 0
     gather_bytes: float = 0.0  # random row reads ...
     gather_source: float = 0.0  # ... from an array of this many bytes (the largest chunk's)
-    best_first: bool = False  # a top-k whose rows arrive best scores first (newest_first_topk)
 
     def key(self):
         return self.stage, self.name, self.kind, self.k
@@ -218,12 +217,10 @@ def hierarchical_ops(s, T, p0, kv_len, skip):
     width = n_cand * B if own else n_union * B
     if own:
         ops.append(memory_op("indexer", "own candidates", T * width * F32 * 3))
-    packed = c.fast_ranking and not c.exact and max(width, s.top_k) <= 1 << PACKED_MAX_COLUMN_BITS
-    if packed:
-        ops.append(_sort("rank", T, max(width, s.top_k)))
-    else:  # fast ranking past the packed sort reads the row newest (best) first
-        ops.append(dataclasses.replace(_topk("rank", T, width, s.top_k),
-                                       best_first=c.fast_ranking and not c.exact))
+    if c.fast_ranking and not c.exact:  # hierarchical.threshold_topk
+        ops.append(Op("indexer", "rank", "select", elements=T * max(width, s.top_k)))
+    else:
+        ops.append(_topk("rank", T, width, s.top_k))
     ops.append(memory_op("indexer", "token ids", T * s.top_k * F32 * 3))
     return ops
 

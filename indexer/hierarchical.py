@@ -38,7 +38,7 @@ from indexer.candidates import (
     tile_candidate_union,
 )
 from indexer.coarse_screen import mass_budget, screen_block_scores
-from indexer.config import PACKED_MAX_COLUMN_BITS, HierarchicalConfig, hierarchical_plan
+from indexer.config import FAST_RANKING_ROUNDS, HierarchicalConfig, hierarchical_plan
 from indexer.exact import block_upper_bounds, refine_exact
 
 __all__ = ["coarse_block_scores", "fine_topk", "hierarchical_topk",
@@ -77,36 +77,50 @@ def coarse_block_scores(q, w, summaries, *, block_size, q_offset=0, q_positions=
     return jnp.where(visible, scores, -jnp.inf)
 
 
-def packed_topk(scores, top_k):
-    """lax.top_k's contract (values, columns; best first) by one sort of int32 keys that
-    pack each score's order-preserving bits, cut to 32 - b bits, with its column (b bits,
-    2^b >= columns, ties to the lower column). On CPU a single-key sort is ~1.5x faster
-    than lax.top_k (which sorts indices through a comparator). Scores within a relative
-    2^(b - 23) of each other (1e-4 for 1408 columns) may come out in either order: far
-    below the indexer's precision in deployment (FP8 e4m3 keeps 3 mantissa bits).
-    The values returned are the exact scores of the chosen columns."""
-    C = scores.shape[1]
-    bits = max(1, (C - 1).bit_length())
-    raw = jax.lax.bitcast_convert_type(scores.astype(jnp.float32), jnp.int32)
-    order = jnp.where(raw < 0, raw ^ jnp.int32(0x7FFFFFFF), raw)  # monotone in the score
-    low = (1 << bits) - 1
-    packed = (order & jnp.int32(~low)) | (low - jnp.arange(C, dtype=jnp.int32))
-    best = jnp.flip(jax.lax.sort(packed, dimension=1)[:, C - top_k:], axis=1)
-    cols = low - (best & low)
-    return jnp.take_along_axis(scores, cols, axis=1), cols
+def threshold_topk(scores, top_k, rounds=FAST_RANKING_ROUNDS):
+    """The top_k of each row by a threshold instead of a sort: `rounds` halvings of
+    [row min, row max] find a window [lo, hi] that holds the k-th largest score; every
+    score above hi is kept, then scores in the window in column order (the lower column
+    first, as lax.top_k breaks ties) until k are kept. Scores closer than (max - min) x
+    2^-rounds to the k-th may be swapped for each other; the set is otherwise
+    lax.top_k's. Returns (values, columns): those above the window in column order, then
+    the window's (not best first); -inf and column 0 past the row's finite scores. On the
+    2-core CPU, 1024 rows of 4096 / 5120 columns, top 1024: 33 / 43 ms, where one sort of
+    packed keys took 93 ms (4096) and lax.top_k read newest first 128 ms (5120)
+    (docs/findings.md, "Ranking by a threshold")."""
+    T, C = scores.shape
+    scores = scores.astype(jnp.float32)
+    finite = scores > -jnp.inf
+    any_finite = jnp.any(finite, axis=1, keepdims=True)
+    lo = jnp.where(any_finite, jnp.min(jnp.where(finite, scores, jnp.inf), axis=1,
+                                       keepdims=True), 0.0)
+    hi = jnp.where(any_finite, jnp.max(scores, axis=1, keepdims=True), 0.0)
 
+    def halve(_, window):  # invariant: fewer than top_k scores above hi
+        lo, hi = window
+        mid = lo + (hi - lo) * 0.5
+        enough = jnp.sum(scores >= mid, axis=1, keepdims=True) >= top_k
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
 
-def newest_first_topk(scores, top_k):
-    """lax.top_k's contract over the row read from its last column back; ties go to the
-    higher column. XLA's CPU top_k is a heap partial sort, fast when the best scores come
-    first: each later element is rejected by one comparison. Candidate tokens are laid out
-    oldest first and recent tokens score high, so in token order nearly every element
-    passes through the heap. Reversed, the whole hierarchical selection with 8192 candidate
-    tokens per query on SmolLM2's indexer at 16K ran 1.6x faster, the same sets (docs/
-    findings.md, "Ranking wide rows newest first")."""
-    C = scores.shape[1]
-    values, cols = jax.lax.top_k(jnp.flip(scores, axis=1), top_k)
-    return values, (C - 1 - cols).astype(cols.dtype)
+    lo, hi = jax.lax.fori_loop(0, rounds, halve, (lo, hi))
+    above = scores > hi
+    window = (scores >= lo) & ~above & finite
+    if C < 1 << 16:  # one cumulative sum counts both kinds: above in the low 16 bits
+        counts = jnp.cumsum(above.astype(jnp.uint32) | (window.astype(jnp.uint32) << 16),
+                            axis=1)
+        n_above, n_window = (counts & 0xFFFF).astype(jnp.int32), (counts >> 16).astype(jnp.int32)
+    else:
+        n_above = jnp.cumsum(above, axis=1, dtype=jnp.int32)
+        n_window = jnp.cumsum(window, axis=1, dtype=jnp.int32)
+    slot = jnp.where(above, n_above - 1,
+                     jnp.where(window, n_above[:, -1:] + n_window - 1, top_k))
+    cols = jnp.full((T, top_k + 1), C, jnp.int32).at[
+        jnp.arange(T)[:, None], jnp.minimum(slot, top_k)].set(
+        jnp.arange(C, dtype=jnp.int32)[None], mode="drop")[:, :top_k]
+    kept = cols < C
+    cols = jnp.where(kept, cols, 0)
+    values = jnp.where(kept, jnp.take_along_axis(scores, cols, axis=1), -jnp.inf)
+    return values, cols
 
 
 def fine_topk(q, w, k, block_table, top_k, *, block_size, q_offset=0, candidates=None,
@@ -117,10 +131,10 @@ def fine_topk(q, w, k, block_table, top_k, *, block_size, q_offset=0, candidates
     as one dense product (pallas_kernels.gathered_index_scores). candidates i32[T, n_cand]
     with slots i32[T, n_cand] (candidates.table_slots): rank each query only over its own
     candidate blocks found in its tile's table; None: over every block of the table.
-    fast_ranking: rank with packed_topk (ties within ~1e-4 relative either way) or, wider
-    than its 2^PACKED_MAX_COLUMN_BITS columns, newest_first_topk (ties to the later token)
-    instead of lax.top_k. Returns (values f32[T, top_k], tokens i32[T, top_k]), best
-    first, -inf / -1 where fewer than top_k candidate tokens are visible.
+    fast_ranking: rank with threshold_topk (near-ties either way; not best first) instead
+    of lax.top_k (best first). Returns (values f32[T, top_k], tokens
+    i32[T, top_k]), -inf / -1 in the last slots where fewer than top_k candidate tokens
+    are visible.
     """
     scores = pallas_kernels.gathered_index_scores(
         q, w, k, block_table, block_size=block_size, q_offset=q_offset, backend=backend)
@@ -137,10 +151,8 @@ def fine_topk(q, w, k, block_table, top_k, *, block_size, q_offset=0, candidates
         scores = jnp.pad(scores, ((0, 0), (0, top_k - C)), constant_values=-jnp.inf)
     if not fast_ranking:
         values, cols = jax.lax.top_k(scores, top_k)
-    elif scores.shape[1] <= 1 << PACKED_MAX_COLUMN_BITS:
-        values, cols = packed_topk(scores, top_k)
     else:
-        values, cols = newest_first_topk(scores, top_k)
+        values, cols = threshold_topk(scores, top_k)
     tokens = table_tokens(block_table, cols, block_size, query_tile)
     return values, jnp.where(values > -jnp.inf, tokens, -1).astype(jnp.int32)
 
@@ -293,8 +305,9 @@ def hierarchical_topk(q, w, k, top_k, config=HierarchicalConfig(), *, q_offset=0
                       summaries=None, screen=None, backend=None):
     """Top_k keys per query by coarse-to-fine block selection -> i32[T, top_k].
 
-    Same contract as `flat_topk` (best first; -1 where fewer than top_k tokens are visible;
-    query i at position q_offset + i). config: HierarchicalConfig. summaries: the keys'
+    Same contract as `flat_topk` (-1 in the last slots where fewer than top_k tokens are
+    visible; query i at position q_offset + i), except the order: best first in exact mode
+    or without fast_ranking, unordered with it. config: HierarchicalConfig. summaries: the keys'
     BlockSummaryCache when already maintained (decode, model prefill), at least
     ceil(L / block_size) blocks; None builds them from k. With config.exact the result
     equals flat top_k as sets (ties aside); otherwise it is flat top_k restricted to each

@@ -19,8 +19,9 @@ q [T, H_I, d_I], w [T, H_I], k [L, d_I] (the indexer-key cache up to a length bu
 past the queries are masked by causality); query i sits at position q_offset + i. config:
 the layer's HierarchicalConfig (kinds that have no knobs ignore it); summaries: the cache's
 BlockSummaryCache of k (at least ceil(L / block_size) blocks); screen: the layer's trained
-coarse screen (indexer.ScreenParams) or None. Output: best first, -1 where fewer than top_k
-tokens are chosen.
+coarse screen (indexer.ScreenParams) or None. Output: the chosen tokens, -1 in the last
+slots where fewer than top_k are chosen; best first, except the hierarchical kind's fast
+ranking (unordered): consumers read them as a set.
 
 A kind whose `scores` is "attention" ranks by the layer's own dense attention instead of the
 indexer (the oracle: what the best possible indexer would keep under DSA's rule of one set

@@ -12,9 +12,9 @@ Time of one op (experiments.costmodel sums them):
               that misses the L2 cache); CPU: flops / rate, the rate having been timed on
               the whole op, memory traffic included;
   top-k       rows x k log2 k x topk_row + elements x topk_element (a partial sort: a
-              per-row cost growing with k, plus a pass over the row); rows read best
-              first (newest_first_topk) at topk_best_first_element where measured: XLA's
-              CPU top_k is a heap, which rejects most of such a row at one comparison;
+              per-row cost growing with k, plus a pass over the row);
+  select      elements x select_element (hierarchical.threshold_topk: a fixed number of
+              passes over the row; GPUs: the top-k element rate, not measured);
   sort        elements x sort_element + elements x log2(row) x sort_log;
   memory      bytes / bandwidth;   comm: bytes / interconnect bandwidth.
 """
@@ -63,9 +63,9 @@ HARDWARE_CHOICES = ("cpu", *HARDWARE)
 @dataclasses.dataclass
 class Rates:
     """flops: {kind: FLOP/s}; memory, link: bytes/s; topk_row: seconds per k log2 k per row;
-    topk_element, sort_element: seconds per element; topk_best_first_element: seconds per
-    element of a row read best first (None: as topk_element); sort_log: seconds per element
-    x log2(row length); sources: {what: where it came from}."""
+    topk_element, sort_element: seconds per element; select_element: seconds per element of
+    a threshold select (None: as topk_element); sort_log: seconds per element x log2(row
+    length); sources: {what: where it came from}."""
 
     name: str
     flops: dict
@@ -78,7 +78,7 @@ class Rates:
     memory_bytes: float | None = None
     cache_bytes: float = 0.0
     roofline: bool = True
-    topk_best_first_element: float | None = None
+    select_element: float | None = None
     sources: dict = dataclasses.field(default_factory=dict)
 
     def to_dict(self):
@@ -103,10 +103,10 @@ def op_seconds(op, rates):
             else compute
     if op.kind == "topk":
         k = max(op.k, 2)
-        per_element = rates.topk_element
-        if op.best_first and rates.topk_best_first_element is not None:
-            per_element = rates.topk_best_first_element
-        return op.rows * k * math.log2(k) * rates.topk_row + op.elements * per_element
+        return op.rows * k * math.log2(k) * rates.topk_row + op.elements * rates.topk_element
+    if op.kind == "select":
+        per_element = rates.topk_element if rates.select_element is None else rates.select_element
+        return op.elements * per_element
     if op.kind == "sort":
         return op.elements * rates.sort_element + op.sort_work * rates.sort_log
     if op.kind == "memory":
@@ -183,6 +183,7 @@ def gpu_rates(key, dtype, calibration):
                        f"(flat selection minus its scores), x {hw.hbm_tb_s} / "
                        f"{calibration['measured_hbm_tb_s']} TB/s; {src}")
     sources["sort"] = "as top-k per element (XLA's GPU sort); not measured"
+    sources["select"] = "as top-k per element (a threshold select's passes); not measured"
     sources["memory"] = (f"{hw.hbm_tb_s} TB/s datasheet, efficiency 1.0 (not measured); "
                          f"random row gathers from arrays within its {hw.l2_mb:.0f} MB L2 hit")
     sources["peak"] = f"{peak} TFLOP/s datasheet ({'bf16' if dtype == 'bfloat16' else 'tf32'})"
@@ -274,7 +275,7 @@ def measure_cpu_rates(config, repeats=3):
     import numpy as np
     from jax import lax
 
-    from indexer.hierarchical import PACKED_MAX_COLUMN_BITS, packed_topk
+    from indexer.hierarchical import threshold_topk
     from pallas_kernels.gathered_index_scores import gathered_index_scores_reference
     from pallas_kernels.index_scores import index_scores_reference
     from pallas_kernels.sparse_attention import sparse_attention_reference
@@ -301,14 +302,6 @@ def measure_cpu_rates(config, repeats=3):
               for m in (n1, n2))
     per_el = max((t2 - t1) / (n2 - n1), 1e-12)
     per_row = max(t1 - per_el * n1, 0.0) / (K * math.log2(max(K, 2)))
-    # The same over rows read best first, as the fine stage ranks rows wider than the packed
-    # sort (newest_first_topk): noise on a falling trend, the reverse of candidate tokens
-    # in token order, where recent tokens score high.
-    def falling(m):
-        trend = jnp.linspace(3.0, 0.0, m, dtype=jnp.float32)
-        return normal(S, T, m, dtype=jnp.float32) + trend
-    t1b, t2b = (step(lambda x: lax.top_k(x, K)[1], falling(m)) / T for m in (n1, n2))
-    per_el_best_first = max((t2b - t1b) / (n2 - n1), 1e-12)
     # Index scores (the jnp reference: every query x key pair) as flat selection runs them,
     # feeding lax.top_k (another consumer lets XLA fuse differently): the step minus the
     # top-k just measured on rows of the same length. The largest share of a long flat
@@ -339,11 +332,14 @@ def measure_cpu_rates(config, repeats=3):
         lambda x, kv: sparse_attention_reference(x[0], kv, kv, x[1]),
         (normal(S, 2 * T, c.n_heads, c.head_dim), idx), (kv,), repeats + 2)
     counts["sparse_attention"] = 4 * c.n_heads * c.head_dim * K * 2 * T
-    # Sort: the fast-ranking packed sort at the config's ranking width (capped at its limit).
-    width = min(max(K, (hc.candidate_tokens or 4 * K)), 1 << PACKED_MAX_COLUMN_BITS)
-    t_sort = step(lambda x: packed_topk(x, min(K, width))[1],
-                  normal(S, 2 * T, width, dtype=jnp.float32))
+    # Sort (block tables, int32 rows) and the fast-ranking threshold select, at the config's
+    # ranking width.
+    width = max(K, (hc.candidate_tokens or 4 * K))
+    ints = jnp.asarray(rng.integers(0, 1 << 30, (S, 2 * T, width)), jnp.int32)
+    t_sort = step(lambda x: lax.sort(x, dimension=1), ints)
     sort_log = t_sort / (2 * T * width * math.log2(width))
+    t_select = step(lambda x: threshold_topk(x, K)[1], normal(S, 2 * T, width, dtype=jnp.float32))
+    select_element = t_select / (2 * T * width)
     # Memory: an elementwise pass in place (read + write 64 MB): the intermediates of the
     # memory ops live in buffers a call has already touched.
     bandwidth = 2 * 4 * (1 << 24) / _in_place_seconds(normal(1 << 24, dtype=jnp.float32),
@@ -359,12 +355,10 @@ def measure_cpu_rates(config, repeats=3):
     sources["topk"] = (f"lax.top_k(k={K}) over rows of {n1} and of {n2}: "
                        f"{per_row * 1e9:.2f} ns per k log2 k per row + "
                        f"{per_el * 1e9:.2f} ns per element, measured in this run")
-    sources["topk_best_first"] = (f"lax.top_k(k={K}) over rows read best first (noise on a "
-                                  f"falling trend) of {n1} and of {n2}: "
-                                  f"{per_el_best_first * 1e9:.2f} ns per element, measured "
-                                  f"in this run")
-    sources["sort"] = (f"packed_topk over rows of {width}: {sort_log * 1e9:.2f} ns per "
+    sources["sort"] = (f"lax.sort of int32 rows of {width}: {sort_log * 1e9:.2f} ns per "
                        f"element x log2(row), measured in this run")
+    sources["select"] = (f"threshold_topk(k={K}) over rows of {width}: "
+                         f"{select_element * 1e9:.2f} ns per element, measured in this run")
     sources["memory"] = (f"{bandwidth / 1e9:.1f} GB/s: x * 2 + 1 in place over 64 MB, in "
                          f"this run")
     sources["roofline"] = ("no: each FLOP kind's rate was timed on the whole op, its memory "
@@ -373,7 +367,7 @@ def measure_cpu_rates(config, repeats=3):
                                f"processes on these cores slow every measured rate)"
                                if load is not None else "unknown")
     return Rates("cpu (this machine)", flops, bandwidth, per_row, per_el, 0.0, sort_log,
-                 roofline=False, topk_best_first_element=per_el_best_first, sources=sources)
+                 roofline=False, select_element=select_element, sources=sources)
 
 
 # ------------------------------------------------------------------------- predictions
