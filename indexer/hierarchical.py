@@ -85,9 +85,9 @@ def threshold_topk(scores, top_k, rounds=FAST_RANKING_ROUNDS):
     2^-rounds to the k-th may be swapped for each other; the set is otherwise
     lax.top_k's. Returns (values, columns): those above the window in column order, then
     the window's (not best first); -inf and column 0 past the row's finite scores. On the
-    2-core CPU, 1024 rows of 4096 / 5120 columns, top 1024: 33 / 43 ms, where one sort of
-    packed keys took 93 ms (4096) and lax.top_k read newest first 128 ms (5120)
-    (docs/findings.md, "Ranking by a threshold")."""
+    2-core CPU, 1024 rows of 4096 / 5120 columns, top 1024: 25 / 38 ms, where one sort of
+    packed keys took 50 ms (4096) and lax.top_k read newest first 126 ms (5120)
+    (experiments.benchmarks.ranking; docs/findings.md, "Ranking by a threshold")."""
     T, C = scores.shape
     scores = scores.astype(jnp.float32)
     finite = scores > -jnp.inf
