@@ -34,6 +34,7 @@ import shlex
 import sys
 
 from experiments.common import add_out_argument, display_path, machine_description, write_json
+from experiments.costmodel.cpu_rates import measure_cpu_rates
 from experiments.costmodel.dsa import dsa_result
 from experiments.costmodel.rates import (
     HARDWARE,
@@ -42,7 +43,6 @@ from experiments.costmodel.rates import (
     STAGE_RULE,
     gpu_rates,
     kernel_calibration,
-    measure_cpu_rates,
     predict,
 )
 from experiments.costmodel.sharding import expert_combine_op

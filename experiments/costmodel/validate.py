@@ -12,7 +12,7 @@ shapes and the same code path as the run that measured it:
         the GPU calibration points; the longer ones are out-of-sample.
   cpu   results/frontier/smollm2-135m/frontier.json: flat and hierarchical selection of the
         last `queries` queries over SmolLM2's layers, one row per hierarchical config the
-        frontier records (rates measured on SmolLM2's shapes: frontier_rates).
+        frontier records (rates measured on the shapes of its model: frontier_model_config).
 """
 
 import json
