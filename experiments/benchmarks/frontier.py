@@ -101,7 +101,8 @@ def parse_extra(text):
 def bench_layer(q, w, k, top_k, q_offset, runs, screen, args):
     """One layer -> ({"flat_s", run name: {time_s, recall, kept_blocks, run_blocks}},
     {run name: its selection} of the runs reuse rows are built from, when --reuse)."""
-    summaries = jax.block_until_ready(jit_block_summaries(k, block_size=args.block_size))
+    summaries = {size: jax.block_until_ready(jit_block_summaries(k, block_size=size))
+                 for size in {args.block_size, *(cfg.block_size for *_, cfg in runs.values())}}
     fns = {"flat": lambda: indexer.flat_topk(q, w, k, top_k, q_offset=q_offset,
                                              query_chunk=args.flat_chunk)}
     for tile in args.streaming_tiles:
@@ -109,7 +110,8 @@ def bench_layer(q, w, k, top_k, q_offset, runs, screen, args):
             q, w, k, top_k, q_offset=q_offset, key_tile=t, query_chunk=args.flat_chunk))(tile)
     for name, (_, _, _, cfg) in runs.items():
         fns[name] = (lambda c: lambda: indexer.hierarchical_topk(
-            q, w, k, top_k, c, q_offset=q_offset, summaries=summaries, screen=screen))(cfg)
+            q, w, k, top_k, c, q_offset=q_offset, summaries=summaries[c.block_size],
+            screen=screen))(cfg)
     outs = {name: np.asarray(jax.block_until_ready(fn())) for name, fn in fns.items()}
     times = median_interleaved(fns, args.repeats)
     flat = outs["flat"]
@@ -120,7 +122,8 @@ def bench_layer(q, w, k, top_k, q_offset, runs, screen, args):
                          recall=indexer.recall(outs[name], flat))
     for name, (_, _, _, cfg) in runs.items():
         _, stats = indexer.hierarchical_topk_with_stats(q, w, k, top_k, cfg, q_offset=q_offset,
-                                                       summaries=summaries, screen=screen)
+                                                       summaries=summaries[cfg.block_size],
+                                                       screen=screen)
         res[name] = dict(time_s=times[name], recall=indexer.recall(outs[name], flat),
                          kept_blocks=float(stats["kept_blocks"]),
                          run_blocks=float(stats["run_blocks"]),
@@ -129,7 +132,7 @@ def bench_layer(q, w, k, top_k, q_offset, runs, screen, args):
             # the best choice of as many blocks as it really keeps (the forced sink, local
             # and bound blocks may raise a small budget)
             res[name]["ceiling"] = indexer.block_recall_ceiling(
-                flat, int(stats["candidate_blocks"]), args.block_size)
+                flat, int(stats["candidate_blocks"]), cfg.block_size)
     kept = {name: outs[name] for name in reuse_bases(runs)} if args.reuse else {}
     return res, kept
 

@@ -24,6 +24,12 @@ cache, so the frozen model runs once per window, not once per step.
    training wall times, the cache size, the cost per million teacher tokens and the
    warm-up's exact held-out KL (every query) at 2048 and --seq-len tokens.
 
+Reuse across layers (`--indexer-types freq2`, or an F/S string per layer): only the kept
+layers have indexers, and each learns its own layer's target and those of the layers that
+reuse its selection (steps.cached_indexer_kl_loss); dsa.json serves the pattern. The teacher
+cache holds every layer's input whatever the pattern, so `--teacher` can point at another
+stage's WORK/teacher (same plan, seed and model) and the stage costs only its training.
+
 Resumable: WORK (default OUT.work) keeps the cache, the last and best weights, the optimizer
 state and the record after each epoch; rerunning the same command continues.
 """
@@ -55,6 +61,7 @@ from experiments.training.teacher import (
     TeacherCache,
     WindowPlan,
     fill,
+    full_layers,
     make_teacher,
     repeat_spans,
     stratified_rows,
@@ -69,6 +76,8 @@ from experiments.training.warmup import (
     open_stage,
     ship_stage,
 )
+from model import with_config
+from model.config import reuse_types
 from model.pretrained import (
     cache_dir,
     file_sha256,
@@ -81,10 +90,17 @@ from model.pretrained.registry import PRETRAINED
 HELDOUT, HELDOUT_COPY = "heldout", "heldout_copy"
 
 
-def window_arrays(entry):
-    """A cache entry as the cached loss takes it (jnp arrays; bf16 stays bf16)."""
+def window_arrays(entry, full=None):
+    """A cache entry as the cached loss takes it (jnp arrays; bf16 stays bf16). The cache
+    holds every layer's indexer input; full: the layers a reuse pattern keeps (their slots
+    are taken), None: all."""
     keys = ("hidden", "target", "rows", "query_hidden")
-    return {k: jnp.asarray(entry[k]) for k in keys if k in entry}
+    out = {k: entry[k] for k in keys if k in entry}
+    if full is not None:
+        for k in ("hidden", "query_hidden"):
+            if k in out:
+                out[k] = out[k][np.asarray(full)]
+    return {k: jnp.asarray(v) for k, v in out.items()}
 
 
 def exact_heldout_kl(model, tokenizer, length):
@@ -140,6 +156,16 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="stop (resumably) after this much wall time")
+    p.add_argument("--teacher", default=None, metavar="DIR",
+                   help="the teacher cache (default WORK/teacher); another stage's (its "
+                        "WORK/teacher) to train on its windows without a teacher pass: its "
+                        "plan and model must be this command's, else the command stops")
+    p.add_argument("--indexer-types", default="", metavar="PATTERN",
+                   help="train for reuse across layers: freqN (layers 0, N, 2N, ... keep an "
+                        "indexer) or an F/S string per layer; each kept indexer learns its "
+                        "own layer's target and those of the layers reusing its selection, "
+                        "and the stage's dsa.json serves the pattern (the teacher cache is "
+                        "the same as without it)")
     add_runtime_arguments(p)
     args = p.parse_args(argv)
     if args.windows < 1 or args.epochs < 1:
@@ -164,6 +190,14 @@ def main(argv=None):
 
     pre = load_pretrained(args.model, indexer_dir=None, seed=args.seed, attention="dense")
     model, tok = pre.model, pre.tokenizer
+    full = None
+    if args.indexer_types:  # the teacher reads every layer; the shared layers' indexers go
+        try:
+            model = with_config(model, model.config.replace(
+                indexer_types=reuse_types(args.indexer_types)))
+        except ValueError as e:
+            p.error(f"--indexer-types: {e}")
+        full = full_layers(model.config)
     record = open_stage(work, work / "last", model, args.init,
                         dict(epoch=0, step=0, train=[], heldout=[], tokens=0, teacher_s=0.0,
                              train_s=0.0, best=None))
@@ -172,10 +206,15 @@ def main(argv=None):
                        f"windows, {platform.machine()} {jax.devices()[0].platform}")
 
     # ---- 1. the teacher cache
-    cache = TeacherCache(work / "teacher", dict(
+    cache_key = dict(
         plan=dataclasses.asdict(plan), windows=args.windows, heldout_rows=args.heldout_rows,
         heldout_offset=HELDOUT_OFFSET, model_file=pathlib.Path(pre.info["path"]).name,
-        model_sha256=file_sha256(pre.info["path"])))
+        model_sha256=file_sha256(pre.info["path"]))
+    try:
+        cache = TeacherCache(args.teacher or work / "teacher", cache_key,
+                             shared=args.teacher is not None)
+    except ValueError as e:
+        p.error(f"--teacher: {e}")
     train_names, _ = split_documents(list_documents())
     stream = token_stream(tok, train_names, cache=cache_dir() / "corpus")
 
@@ -196,7 +235,7 @@ def main(argv=None):
             rows = window_rows(plan, tokens, meta["repeats"], seed=args.seed * 1_000_003 + i)
             yield f"window_{i:05d}", tokens, rows, meta
 
-    teacher = make_teacher(model)
+    teacher = make_teacher(pre.model)
     for item in planned():
         record["teacher_s"] += fill(cache, teacher, [item], log=tqdm.write)
         if over():
@@ -216,7 +255,7 @@ def main(argv=None):
     # ---- 2. train the indexers on the cache
     graphdef, trainable, frozen, rest, opt_state, step_fn, eval_fn = indexer_optimization(
         model, "indexer_cached", work)
-    held = [window_arrays(cache.read(n)) for n in held_names]
+    held = [window_arrays(cache.read(n), full) for n in held_names]
 
     def heldout_kl():
         """The stage's criterion: the mean KL over the held-out windows (each one's in
@@ -253,7 +292,7 @@ def main(argv=None):
             lr = float(ts.lr_schedule(record["step"], total, peak=args.lr,
                                       warmup=args.warmup_steps, final_frac=0.1))
             trainable, opt_state, metrics = step_fn(trainable, opt_state, frozen, rest,
-                                                    window_arrays(entry), lr)
+                                                    window_arrays(entry, full), lr)
             kl = float(metrics["loss"])
             if not math.isfinite(kl):
                 raise FloatingPointError(f"KL is {kl} at step {record['step'] + 1}")
@@ -307,7 +346,8 @@ def main(argv=None):
         heldout_kl_parts=record.get("heldout_parts"), copy_rows=args.copy_rows,
         spans=args.spans, span_tokens=list(plan.span_tokens),
         copy_distance=plan.copy_distance and list(plan.copy_distance),
-        heldout_kl_exact=exact)
+        heldout_kl_exact=exact, indexer_types=args.indexer_types or None,
+        teacher_cache=args.teacher)
     ship_stage(out, model, args, pre, summary, record)
     print(json.dumps({k: v for k, v in summary.items() if k != "heldout_kl"}, indent=1))
     print(f"wrote {out}")

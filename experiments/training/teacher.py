@@ -197,14 +197,20 @@ def _dense(model):
 class TeacherCache:
     """A folder of teacher windows (window_NNNNN.npz: tokens, rows, hidden, target) and
     key.json (what they depend on: the plan and the base model's file). A key that differs
-    empties the folder: a cache is regenerated, never mixed."""
+    empties the folder: a cache is regenerated, never mixed. With shared=True (another
+    stage's cache, read by this one) a key that differs is a ValueError instead: that
+    stage's windows are not this one's to delete."""
 
-    def __init__(self, directory, key):
+    def __init__(self, directory, key, *, shared=False):
         self.dir = pathlib.Path(directory)
         self.key = json.loads(json.dumps(dict(key, format=FORMAT)))
         self.dir.mkdir(parents=True, exist_ok=True)
         key_file = self.dir / "key.json"
-        if key_file.exists() and json.loads(key_file.read_text()) != self.key:
+        if key_file.exists() and (old := json.loads(key_file.read_text())) != self.key:
+            if shared:
+                differ = sorted(k for k in {*old, *self.key} if old.get(k) != self.key.get(k))
+                raise ValueError(f"the teacher cache {self.dir} was made with other settings "
+                                 f"({', '.join(differ)} differ): it is left as it is")
             for stale in self.dir.glob("*.npz"):
                 stale.unlink()
         key_file.write_text(json.dumps(self.key, indent=1))

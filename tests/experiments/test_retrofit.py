@@ -6,8 +6,10 @@ import json
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
+import safetensors.numpy
 from flax import nnx
 
 from experiments.training import retrofit
@@ -15,12 +17,13 @@ from experiments.training import steps as ts
 from experiments.training.teacher import (
     TeacherCache,
     WindowPlan,
+    full_layers,
     make_teacher,
     repeat_spans,
     stratified_rows,
     window_rows,
 )
-from model import Transformer, get_config
+from model import Transformer, get_config, with_config
 from tests.pretrained_files import tiny_training_setup
 
 
@@ -153,6 +156,30 @@ def test_teacher_cache_round_trip_and_a_new_key_empties_it(tmp_path):
     assert not TeacherCache(tmp_path, dict(a=2)).has("w0")
 
 
+def test_a_reuse_pattern_trains_on_a_cache_of_every_layer():
+    """The cache holds every layer's indexer input; a reuse pattern's kept layers take their
+    slots, which is what the pattern's own teacher would have cached."""
+    model = _model()
+    shared = with_config(model, model.config.replace(indexer_types="FS"))
+    tokens = np.random.default_rng(4).integers(0, 256, 40).astype(np.int32)
+    rows = stratified_rows(40, 5, seed=1)
+    entry = make_teacher(model)(tokens, rows)
+    want = make_teacher(shared)(tokens, rows)
+    got = retrofit.window_arrays(entry, full_layers(shared.config))
+    assert got["hidden"].shape[0] == 1 and entry["hidden"].shape[0] == 2
+    np.testing.assert_array_equal(np.asarray(got["hidden"]), want["hidden"])
+    np.testing.assert_array_equal(np.asarray(got["target"]), want["target"])
+
+
+def test_another_stages_teacher_cache_is_never_emptied(tmp_path):
+    cache = TeacherCache(tmp_path, dict(a=1))
+    cache.write("w0", np.zeros(4, np.int32), np.zeros(1, np.int32),
+                dict(target=np.zeros((1, 1, 4), ml_dtypes.bfloat16)))
+    with pytest.raises(ValueError, match="other settings .*a differ"):
+        TeacherCache(tmp_path, dict(a=2), shared=True)
+    assert TeacherCache(tmp_path, dict(a=1), shared=True).has("w0")
+
+
 @pytest.mark.slow  # a tiny recipe run with its compilations
 def test_recipe_trains_resumes_and_ships_a_stage(tmp_path, monkeypatch):
     gguf = tiny_training_setup(tmp_path, monkeypatch, retrofit)
@@ -175,3 +202,14 @@ def test_recipe_trains_resumes_and_ships_a_stage(tmp_path, monkeypatch):
     assert meta["config"]["attention"] == "sparse"
     assert meta["metadata"]["warmup"]["recipe"] == "teacher cache"
     assert (out / "indexer.safetensors").stat().st_size > 0
+    # A reuse stage on the same teacher windows: no teacher pass, layer 1 reuses layer 0.
+    reuse = tmp_path / "reuse"
+    retrofit.main([*args[:2], "--out", str(reuse), *args[4:], "--epochs", "2", "--init", str(out),
+                   "--teacher", str(tmp_path / "stage.work" / "teacher"),
+                   "--indexer-types", "FS"])
+    log = json.loads((reuse / "warmup_log.json").read_text())
+    assert log["teacher_s"] == 0 and log["indexer_types"] == "FS" and log["steps"] == 6
+    meta = json.loads((reuse / "dsa.json").read_text())
+    assert meta["config"]["indexer_types"] == ["full", "shared"]
+    names = safetensors.numpy.load_file(str(reuse / "indexer.safetensors"))
+    assert {n.split(".")[1] for n in names} == {"0"}, sorted(names)  # layers.0.indexer...
