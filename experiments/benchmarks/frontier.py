@@ -18,7 +18,8 @@ and each budget rule:
 - ratio: coarse_keep_ratio in --ratios (the reference's COARSE_THRESHOLD);
 - --extra "NAME:FIELD=VALUE,...;...": any other HierarchicalConfig over the base (e.g.
   tables no larger than the budget, `tile_candidate_tokens=8192`, or exact mode,
-  `exact=true`), one row per scorer, rule NAME.
+  `exact=true`), one row per scorer, rule NAME (another `block_size`: the mean scorer's
+  row only, on block summaries of that size; the learned screens fit the base's blocks).
 
 Exact flat paths: flat top-k (one ranking per row of scores) and the streaming selection
 (indexer.streaming: key tiles of --streaming-tiles, a running top-k, no score matrix; its
@@ -81,6 +82,8 @@ def variants(base, args, methods):
                 candidate_tokens=None, coarse_keep_ratio=ratio))
         for name, fields in args.extra:
             extra = parse_hierarchical(fields, cfg)
+            if method == "learned" and extra.block_size != base.block_size:
+                continue  # the screens were fitted to the base's blocks: mean rows only
             out[f"{method}/{name}"] = (method, name, extra.candidate_tokens, extra)
     return out
 

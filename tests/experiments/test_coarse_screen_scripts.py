@@ -24,7 +24,7 @@ def test_distil_then_frontier(tmp_path):
     frontier.main(["--checkpoint", str(ckpt), "--lengths", "1000", "--queries", "64",
                    "--budgets", "256,512", "--masses", "0.9", "--ratios", "0.5",
                    "--extra", "exact:candidate_tokens=256,exact=true;tight:"
-                   "candidate_tokens=512,tile_candidate_tokens=512",
+                   "candidate_tokens=512,tile_candidate_tokens=512;b32:candidate_tokens=256,block_size=32",
                    "--streaming-tiles", "300", "--reuse", "freq2", "--repeats", "1",
                    "--out", str(out)])
     result = json.loads((out / "frontier.json").read_text())
@@ -40,12 +40,13 @@ def test_distil_then_frontier(tmp_path):
     assert reused["flat@freq2"]["recall"] < 1.0  # layer 1 reads layer 0's selection
     rows = [r for r in rows if r["method"] != "streaming" and not r.get("reuse")]
     assert {r["method"] for r in rows} == {"mean", "learned"}
-    assert {r["rule"] for r in rows} == {"fixed", "mass", "ratio", "exact", "tight"}
+    assert {r["rule"] for r in rows} == {"fixed", "mass", "ratio", "exact", "tight", "b32"}
+    assert [r["method"] for r in rows if r["rule"] == "b32"] == ["mean"]
     for r in rows:
         if r["rule"] == "exact":  # certified equal to flat; "scored" says where it pruned
             assert r["recall"] == pytest.approx(1.0) and 0 < r["scored"] <= 1
             assert r["ceiling"] is None
-        if r["rule"] == "tight":
+        if r["rule"] in ("tight", "b32"):  # b32: blocks of 32, their own summaries
             assert 0 < r["ceiling"] <= 1
     for r in rows:
         assert 0 < r["recall"] <= 1 and r["speedup"] > 0
