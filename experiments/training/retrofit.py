@@ -92,8 +92,8 @@ HELDOUT, HELDOUT_COPY = "heldout", "heldout_copy"
 
 def window_arrays(entry, full=None):
     """A cache entry as the cached loss takes it (jnp arrays; bf16 stays bf16). The cache
-    holds every layer's indexer input; full: the layers a reuse pattern keeps (their slots
-    are taken), None: all."""
+    holds the indexer input of every layer the base model runs an indexer in; full: the
+    slots of those a reuse pattern keeps, None: all."""
     keys = ("hidden", "target", "rows", "query_hidden")
     out = {k: entry[k] for k in keys if k in entry}
     if full is not None:
@@ -197,7 +197,8 @@ def main(argv=None):
                 indexer_types=reuse_types(args.indexer_types)))
         except ValueError as e:
             p.error(f"--indexer-types: {e}")
-        full = full_layers(model.config)
+        cached = full_layers(pre.model.config)  # what the teacher keeps, in layer order
+        full = [cached.index(layer) for layer in full_layers(model.config)]
     record = open_stage(work, work / "last", model, args.init,
                         dict(epoch=0, step=0, train=[], heldout=[], tokens=0, teacher_s=0.0,
                              train_s=0.0, best=None))
