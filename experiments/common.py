@@ -8,6 +8,7 @@ directory (git-ignored); results of record in results/ are refreshed only on pur
 import json
 import os
 import pathlib
+import shlex
 import statistics
 import sys
 import sysconfig
@@ -110,6 +111,21 @@ def display_path(path):
         return str(path.resolve().relative_to(pathlib.Path.cwd().resolve()))
     except ValueError:
         return str(path)
+
+
+def recorded_command(module, argv=None):
+    """The command line a result records: `python -m module` and its arguments (argv, default
+    sys.argv[1:]), with absolute paths inside the current directory made relative, so no
+    result file holds a machine path."""
+    args = sys.argv[1:] if argv is None else argv
+    return f"python -m {module} " + shlex.join(_relative_argument(a) for a in args)
+
+
+def _relative_argument(arg):
+    flag, eq, value = arg.partition("=")
+    if eq and flag.startswith("--"):
+        return f"{flag}={_relative_argument(value)}"
+    return display_path(arg) if os.path.isabs(arg) else arg
 
 
 def write_json(path, payload):

@@ -17,7 +17,6 @@ Other configs: experiments/configs/run_*.yaml (longer CPU run, ablations, one H2
 
 import argparse
 import pathlib
-import shlex
 import sys
 import time
 
@@ -27,7 +26,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from experiments.common import add_out_argument, enable_compile_cache, write_json
+from experiments.common import add_out_argument, enable_compile_cache, recorded_command, write_json
 from experiments.schema import ConfigError
 from experiments.ttft.config import load_run_config
 from experiments.ttft.report import COLUMNS, markdown, plot, row_cells, summary_line
@@ -116,8 +115,7 @@ def main(argv=None):
             rows, summary = run_study(run, model, heldout, random_weights=random_weights,
                                       progress=progress, log=console.print)
         bar.update(task, completed=total, description="done")
-    command = "python -m experiments.run " + shlex.join(argv if argv is not None
-                                                        else sys.argv[1:])
+    command = recorded_command("experiments.run", argv)
     results = {"config": run.to_dict(), "model": description, "random_weights": random_weights,
                "env": environment(), "method": METHOD, "runs": rows, "summary": summary,
                "command": command, "wall_s": time.perf_counter() - t0,

@@ -39,8 +39,6 @@ Writes OUT/frontier.json, OUT/frontier.md, OUT/frontier.png (--out, default runs
 import argparse
 import pathlib
 import platform
-import shlex
-import sys
 import time
 
 import jax
@@ -55,6 +53,7 @@ from experiments.common import (
     enable_compile_cache,
     machine_description,
     parse_hierarchical,
+    recorded_command,
     write_json,
 )
 from experiments.data import eval_sequence, model_indexer_inputs
@@ -332,8 +331,8 @@ def main(argv=None):
             model.config.replace(indexer_types=reuse_types(pattern))
         except ValueError as e:
             p.error(f"--reuse {pattern}: {e}")
-    result = dict(command="python -m experiments.benchmarks.frontier " + shlex.join(
-        sys.argv[1:] if argv is None else argv), model=source.name,
+    result = dict(
+        command=recorded_command("experiments.benchmarks.frontier", argv), model=source.name,
         indexer=display_path(source.directory), indexer_sha256=source.indexer_sha256, top_k=top_k,
         block_size=base.block_size, queries=args.queries, layers=model.config.n_layers,
         machine=machine_description(), python=platform.python_version(),

@@ -20,8 +20,6 @@ Each is checked against lax.top_k: the same set, or values within the threshold'
 import argparse
 import functools
 import pathlib
-import shlex
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +30,7 @@ from experiments.common import (
     add_out_argument,
     enable_compile_cache,
     machine_description,
+    recorded_command,
     write_json,
 )
 from indexer.hierarchical import threshold_topk
@@ -118,8 +117,7 @@ def main(argv=None):
     bad = [w for w in widths if w < args.top_k]
     if bad or args.top_k < 1:
         p.error(f"--widths must each be >= --top-k ({args.top_k} >= 1), got {bad}")
-    result = {"command": "python -m experiments.benchmarks.ranking " + shlex.join(
-                  sys.argv[1:] if argv is None else argv),
+    result = {"command": recorded_command("experiments.benchmarks.ranking", argv),
               "machine": machine_description(), "top_k": args.top_k,
               "widths": [bench_width(w, args.top_k, args.steps, args.repeats) for w in widths]}
     result["markdown"] = markdown(result)

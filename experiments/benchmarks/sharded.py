@@ -40,7 +40,6 @@ if __name__ == "__main__" and "jax" not in sys.modules:
 
 import argparse  # noqa: E402
 import pathlib  # noqa: E402
-import shlex  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
@@ -51,6 +50,7 @@ from experiments.common import (  # noqa: E402
     add_out_argument,
     enable_compile_cache,
     machine_description,
+    recorded_command,
     stdlib_text,
     write_json,
 )
@@ -264,8 +264,7 @@ def main(argv=None):
                   f"(mesh), KV/device {m['kv_per_device']} of {m['kv_total']} B, "
                   f"replicated/device {m['replicated_per_device']} B, params/device "
                   f"{m['params_per_device']} B", flush=True)
-    command = "python -m experiments.benchmarks.sharded " + shlex.join(
-        sys.argv[1:] if argv is None else argv)
+    command = recorded_command("experiments.benchmarks.sharded", argv)
     out = write_json(pathlib.Path(args.out) / "sharded.json", {
         "command": command, "machine": machine_description(), "jax": jax.__version__,
         "devices": args.devices, "preset": args.preset, "tokens": args.tokens,

@@ -30,10 +30,15 @@ import argparse
 import dataclasses
 import os
 import pathlib
-import shlex
 import sys
 
-from experiments.common import add_out_argument, display_path, machine_description, write_json
+from experiments.common import (
+    add_out_argument,
+    display_path,
+    machine_description,
+    recorded_command,
+    write_json,
+)
 from experiments.costmodel.cpu_rates import measure_cpu_rates
 from experiments.costmodel.dsa import dsa_result
 from experiments.costmodel.rates import (
@@ -314,8 +319,7 @@ def main(argv=None):
                   "hardware": args.hardware, "devices": args.devices,
                   "calibrated": not args.no_calibrate, "stage_time_rule": STAGE_RULE,
                   "machine": machine_description(),
-                  "command": "python -m experiments.costmodel " + shlex.join(
-                      sys.argv[1:] if argv is None else argv)},
+                  "command": recorded_command("experiments.costmodel", argv)},
         "hardware": {hw: {**({"datasheet": dataclasses.asdict(HARDWARE[hw])}
                              if hw in HARDWARE else {}),
                           **r.to_dict()} for hw, r in rates.items()},

@@ -16,12 +16,11 @@ markdown to stdout and to --out when given.
 """
 
 import argparse
+import functools
 import json
 import pathlib
-import shlex
-import sys
 
-from experiments.common import display_path
+from experiments.common import display_path, recorded_command
 from experiments.evaluation.needles import contexts_below
 from model.pretrained.registry import file_sha256
 
@@ -146,17 +145,34 @@ def gather(results_dir):
 
 def indexer_name(identity, folders):
     """The folders an indexer was evaluated from, with its digest; a folder that holds other
-    weights today is marked, so a figure of a replaced indexer is never read as the shipped
-    one's."""
+    weights today is marked "(earlier weights)", so a figure of a replaced indexer is never
+    read as the shipped one's, and one not in the checkout "(not in this checkout)"; a
+    committed checkpoint holding these weights today comes first, marked "(now)"."""
     if identity in folders:  # no digest recorded: the folder is all there is
         return identity
     names = []
     for folder in sorted(folders):
         weights = REPO_ROOT / folder / "indexer.safetensors"
-        if weights.is_file() and file_sha256(weights) != identity:
+        if not weights.is_file():
+            folder += " (not in this checkout)"
+        elif _sha256(weights) != identity:
             folder += " (earlier weights)"
         names.append(folder)
+    # A stage evaluated from its own folder and shipped later: name where it lives now.
+    names = [f"{folder} (now)" for folder, digest in _checkpoint_digests().items()
+             if digest == identity and folder not in folders] + names
     return " = ".join(names) + f" [sha256 {identity[:8]}]"
+
+
+@functools.cache
+def _sha256(path):
+    return file_sha256(path)
+
+
+def _checkpoint_digests():
+    """{checkpoint folder: its indexer's sha256} for every committed checkpoint."""
+    return {str(weights.parent.relative_to(REPO_ROOT)): _sha256(weights)
+            for weights in sorted((REPO_ROOT / "checkpoints").glob("*/indexer.safetensors"))}
 
 
 def _format(label, cell, perplexity):
@@ -216,8 +232,7 @@ def main(argv=None):
     results = pathlib.Path(args.results)
     if not results.is_dir():
         p.error(f"--results {args.results}: no such folder")
-    command = "python -m experiments.evaluation.full_table " + shlex.join(
-        argv if argv is not None else sys.argv[1:])
+    command = recorded_command("experiments.evaluation.full_table", argv)
     text = (f"Made by `{command.strip()}`.\n\n"
             "Retrieval cells: tokens right % [95% interval]; **paired difference to dense, "
             "points** [interval]; exact probes. Perplexity cells: perplexity (gap to dense "

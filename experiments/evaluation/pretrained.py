@@ -30,8 +30,6 @@ probes. JSON to OUT/eval.json, a table to OUT/eval.md (default runs/eval_pretrai
 import argparse
 import pathlib
 import platform
-import shlex
-import sys
 import time
 
 import jax
@@ -42,6 +40,7 @@ from experiments.common import (
     display_path,
     parse_hierarchical,
     parse_layers,
+    recorded_command,
     write_json,
 )
 from experiments.evaluation.baselines import DEFAULT_DIR, baseline_key
@@ -285,8 +284,7 @@ def main(argv=None):
     log = lambda msg: print(f"[{time.monotonic() - t0:6.0f}s] {msg}", flush=True)  # noqa
     out = pathlib.Path(args.out)
     results = []
-    command = "python -m experiments.evaluation.pretrained " + shlex.join(
-        argv if argv is not None else sys.argv[1:])
+    command = recorded_command("experiments.evaluation.pretrained", argv)
     for L in lengths:
         baselines = None if args.baselines == "none" else (
             args.baselines, baseline_key(kind=args.probe, length=L,

@@ -20,8 +20,6 @@ the pattern itself). Writes OUT/layer_overlap.json and .md (default runs/layer_o
 
 import argparse
 import pathlib
-import shlex
-import sys
 import time
 
 import numpy as np
@@ -31,6 +29,7 @@ from experiments.common import (
     display_path,
     enable_compile_cache,
     machine_description,
+    recorded_command,
     write_json,
 )
 from experiments.data import eval_sequence
@@ -146,9 +145,9 @@ def main(argv=None):
         p.error("--threshold must be in (0, 1]")
     enable_compile_cache()
     t0 = time.monotonic()
-    result = dict(command="python -m experiments.studies.layer_overlap " + shlex.join(
-        sys.argv[1:] if argv is None else argv), model=args.model, queries=args.queries,
-        machine=machine_description(), lengths=[])
+    result = dict(command=recorded_command("experiments.studies.layer_overlap", argv),
+                  model=args.model, queries=args.queries, machine=machine_description(),
+                  lengths=[])
     for L in lengths:  # each length with its own position interpolation, as evaluated
         source = load_source(model_name=args.model, max_length=L, attention="sparse",
                              indexer="flat", indexer_dir=args.indexer_dir)

@@ -24,8 +24,6 @@ import argparse
 import functools
 import pathlib
 import platform
-import shlex
-import sys
 import time
 
 import jax
@@ -35,7 +33,7 @@ import optax
 from tqdm import tqdm
 
 import indexer
-from experiments.common import display_path, enable_compile_cache, write_json
+from experiments.common import display_path, enable_compile_cache, recorded_command, write_json
 from experiments.data import model_indexer_inputs
 from experiments.model_source import load_source, training_windows
 from indexer.block_summaries import block_summaries
@@ -199,9 +197,7 @@ def main(argv=None):
         block.coarse_screen.log_temperature[...] = log_t
         block.coarse_screen.mean_log_temperature[...] = mean_log_t
     record = dict(
-        command="python -m experiments.training.coarse_screen " + shlex.join(sys.argv[1:]
-                                                                              if argv is None
-                                                                              else argv),
+        command=recorded_command("experiments.training.coarse_screen", argv),
         model=source.name, length=args.length, serve_length=args.serve_length,
         rope_scaling=model.config.rope_scaling, sequences=args.sequences, queries=args.queries,
         steps=args.steps, lr=args.lr, seed=args.seed, top_k=top_k,

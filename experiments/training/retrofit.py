@@ -40,8 +40,6 @@ import json
 import math
 import pathlib
 import platform
-import shlex
-import sys
 import time
 
 import jax
@@ -49,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from experiments.common import enable_compile_cache
+from experiments.common import enable_compile_cache, recorded_command
 from experiments.text_corpus import (
     heldout_text_tokens,
     list_documents,
@@ -326,8 +324,7 @@ def main(argv=None):
     train_kl = [k for _, k in record["train"]]
     teacher_tokens = args.windows * args.seq_len
     summary = dict(
-        command="python -m experiments.training.retrofit " + shlex.join(
-            sys.argv[1:] if argv is None else argv),
+        command=recorded_command("experiments.training.retrofit", argv),
         recipe="teacher cache", steps=record["step"], seq_len=args.seq_len,
         tokens=record["tokens"], teacher_tokens=teacher_tokens,
         wall_s=round(record["teacher_s"] + record["train_s"], 1),

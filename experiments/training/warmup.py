@@ -28,15 +28,13 @@ import json
 import math
 import pathlib
 import platform
-import shlex
-import sys
 import time
 
 import jax
 import numpy as np
 from tqdm import tqdm
 
-from experiments.common import enable_compile_cache, parse_hierarchical
+from experiments.common import enable_compile_cache, parse_hierarchical, recorded_command
 from experiments.data import sample_batch
 from experiments.text_corpus import (
     heldout_text_tokens,
@@ -271,8 +269,7 @@ def main(argv=None):
         return
     train_kl = [k for _, k in record["train"]]
     summary = dict(
-        command="python -m experiments.training.warmup " + shlex.join(sys.argv[1:] if argv is None
-                                                                      else argv),
+        command=recorded_command("experiments.training.warmup", argv),
         steps=record["step"], seq_len=args.seq_len, tokens=record["tokens"],
         wall_s=round(record["wall_s"], 1), hardware=f"{platform.machine()}, "
         f"{jax.devices()[0].device_kind}", trainable_params=n_params, lr=args.lr,

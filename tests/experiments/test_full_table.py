@@ -99,5 +99,23 @@ def test_an_indexer_is_its_weights_not_its_folder(tmp_path, monkeypatch):
     assert {key[0] for key in rows} == {old, new}
     names = {key[0]: slot["indexer"] for key, slot in rows.items()}
     assert names[old] == "ckpt (earlier weights) [sha256 00000000]"
-    assert names[new] == f"ckpt = stage4 [sha256 {new[:8]}]"
+    assert names[new] == f"ckpt = stage4 (not in this checkout) [sha256 {new[:8]}]"
     assert len([key for key in rows if key[0] == new]) == 2  # its 2K and 4K rows
+
+
+def test_a_stage_shipped_after_its_evaluation_is_named_where_it_lives_now(tmp_path,
+                                                                         monkeypatch):
+    shipped = tmp_path / "checkpoints" / "model"
+    shipped.mkdir(parents=True)
+    (shipped / "indexer.safetensors").write_bytes(b"stage weights")
+    digest = full_table.file_sha256(shipped / "indexer.safetensors")
+    monkeypatch.setattr(full_table, "REPO_ROOT", tmp_path)
+    results = tmp_path / "results"
+    results.mkdir()
+    data = _retrieval("copy", 2048, 16, [("dense", 0.8, None), ("sparse_flat", 0.7, -0.1)],
+                      indexer="retrofit/stage6")
+    data["info"]["indexer_sha256"] = digest
+    _write(results, "stage6", data)
+    (slot,) = full_table.gather(results).values()
+    assert slot["indexer"] == (f"checkpoints/model (now) = retrofit/stage6 (not in this "
+                               f"checkout) [sha256 {digest[:8]}]")
