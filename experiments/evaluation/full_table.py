@@ -170,7 +170,8 @@ def _sha256(path):
 
 
 def _checkpoint_digests():
-    """{checkpoint folder: its indexer's sha256} for every committed checkpoint."""
+    """{checkpoint folder: its indexer's sha256} for every folder under checkpoints/ with an
+    indexer (what this checkout holds, committed or not)."""
     return {str(weights.parent.relative_to(REPO_ROOT)): _sha256(weights)
             for weights in sorted((REPO_ROOT / "checkpoints").glob("*/indexer.safetensors"))}
 
