@@ -58,7 +58,7 @@ def _check_topk(top_k):
 def default_query_chunk(key_len, heads, backend=None):
     """Queries per scoring step for keys of length key_len (the comment above
     XLA_QUERY_CHUNK): a power of two."""
-    if pallas_kernels.resolve_backend(backend) != "xla":
+    if (backend or pallas_kernels.resolve("index_scores")) != "xla":
         return PALLAS_QUERY_CHUNK
     return pallas_kernels.rows_within(XLA_SCORE_BYTES, 4 * heads * key_len, XLA_QUERY_CHUNK,
                                       XLA_MIN_QUERY_CHUNK)

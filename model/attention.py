@@ -29,7 +29,7 @@ def dense_causal_attention(q, k, v, *, q_offset=0, scale=None, return_head_sum=F
     """
     T, H, _ = q.shape
     rows = T
-    if pallas_kernels.resolve_backend() == "xla":
+    if pallas_kernels.resolve("sparse_attention") == "xla":
         rows = pallas_kernels.rows_within(DENSE_ATTENTION_BYTES, 3 * 4 * H * k.shape[0],
                                           DENSE_ATTENTION_ROWS)
     result = pallas_kernels.map_query_rows(

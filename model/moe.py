@@ -2,12 +2,13 @@
 num_experts_per_tok routed experts chosen by a group-limited sigmoid router.
 
 Only the chosen experts are computed: the T x k (token, expert) assignments are sorted by
-expert and run through `jax.lax.ragged_dot` (one grouped matmul per projection over
-contiguous per-expert row groups), then scattered back with their weights. An all-experts
-dense path would hold [T, E, F] (~137 GB at 128K tokens for V3.2); this holds [T k, F].
-When T x k <= E (decode: one token per sequence, vmapped over serving's slots, where
-ragged_dot has no batching rule) the chosen experts' weights are gathered instead: the same
-weights a decode step must read anyway.
+expert and run through the grouped-matmul op (pallas_kernels.grouped_matmul: one grouped
+matmul per projection over contiguous per-expert row groups; `jax.lax.ragged_dot` on CPU,
+a kernel that never densifies on GPU, where XLA's ragged_dot would), then scattered back
+with their weights. An all-experts dense path would hold [T, E, F] (~137 GB at 128K tokens
+for V3.2); this holds [T k, F]. When T x k <= E (decode: one token per sequence, vmapped
+over serving's slots, where ragged_dot has no batching rule) the chosen experts' weights
+are gathered instead: the same weights a decode step must read anyway.
 
 Expert parallelism (a mesh whose expert x tensor group has more than one device, inside
 model.runner's steps): the routed experts split whole over that group
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+import pallas_kernels
 from model import sharding
 from model.layers import SwiGLU
 
@@ -55,34 +57,41 @@ def route(x, weight, bias, moe):
     return weights * moe.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-def as_stored(*weights):
-    """The identity `unpack`: experts kept in the compute dtype."""
-    return weights
-
-
-def expert_mix(x, weights, experts, stored, unpack=as_stored):
+def expert_mix(x, weights, experts, stored, scale_block=None, *, implementation=None):
     """sum_j weights[t, j] SwiGLU_{experts[t, j]}(x[t]) -> [T, D], computing only the chosen
-    experts. stored: arrays with a leading expert axis E that unpack(*stored) turns into
-    gate, up [E, D, F] and down [E, F, D] (FP8 and scales, or the weights themselves); in
-    decode unpack runs after the gather, so only the chosen experts are dequantized. An
-    expert id >= E (an expert another device holds) is skipped: its weight must be 0."""
+    experts. stored: gate, up [E, D, F] and down [E, F, D] in the compute dtype, or those
+    in FP8 e4m3 followed by their block scales (gate_scale, up_scale, down_scale) with
+    scale_block (the block along each matrix's input axis, along its output axis). Prefill
+    runs the grouped-matmul op (pallas_kernels.grouped_matmul: on GPU a kernel that reads
+    FP8 tiles as stored; `implementation` picks one); decode (T x k <= E) gathers the
+    chosen experts, and dequantizes only those. An expert id >= E (an expert another
+    device holds) is skipped: its weight must be 0."""
     T, k = experts.shape
     E = stored[0].shape[0]
+    mats, scales = stored[:3], (stored[3:] if scale_block else (None,) * 3)
     if T * k <= E:
         ids = jnp.minimum(experts, E - 1).reshape(-1)
-        g, u, d = (w.reshape(T, k, *w.shape[1:]) for w in unpack(*(a[ids] for a in stored)))
+        picked = [m[ids] if s is None else
+                  pallas_kernels.dequantize_blocks(m[ids], s[ids], scale_block, x.dtype)
+                  for m, s in zip(mats, scales)]
+        g, u, d = (w.reshape(T, k, *w.shape[1:]) for w in picked)
         h = jax.nn.silu(jnp.einsum("td,tkdf->tkf", x, g)) * jnp.einsum("td,tkdf->tkf", x, u)
         y = jnp.einsum("tkf,tkfd->tkd", h, d)
         return jnp.einsum("tk,tkd->td", weights.astype(y.dtype), y).astype(x.dtype)
-    gate, up, down = unpack(*stored)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     token = order // k
-    # ids >= E sort last and fall outside every group: ragged_dot leaves their rows zero
+    # ids >= E sort last and fall outside every group: the op leaves their rows zero
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+
+    def grouped(lhs, i):
+        return pallas_kernels.grouped_matmul(lhs, mats[i], sizes, rhs_scale=scales[i],
+                                             scale_block=scale_block,
+                                             implementation=implementation)
+
     rows = x[token]
-    h = jax.nn.silu(jax.lax.ragged_dot(rows, gate, sizes)) * jax.lax.ragged_dot(rows, up, sizes)
-    y = jax.lax.ragged_dot(h, down, sizes)
+    h = jax.nn.silu(grouped(rows, 0)) * grouped(rows, 1)
+    y = grouped(h, 2)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros_like(x).at[token].add(y.astype(x.dtype))
 
@@ -90,13 +99,10 @@ def expert_mix(x, weights, experts, stored, unpack=as_stored):
 E4M3 = jnp.float8_e4m3fn
 
 
-def dequantize(q, scale, block, dtype):
-    """Stacked FP8 experts -> dtype. q: e4m3 [E, A, B], dosa's layout (the checkpoint's
-    [out, in] matrices transposed); scale: f32 [E, ceil(A / block[1]), ceil(B / block[0])],
-    the checkpoint's block scales transposed alike; block: the checkpoint's (rows, cols)."""
-    A, B = q.shape[1:]
-    full = jnp.repeat(jnp.repeat(scale, block[1], axis=1), block[0], axis=2)[:, :A, :B]
-    return (q.astype(jnp.float32) * full).astype(dtype)
+def fp8_scale_block(block):
+    """The checkpoint's (rows, cols) block of an [out, in] matrix, as the block along dosa's
+    stored [in, out] axes (pallas_kernels.grouped_matmul's scale_block)."""
+    return (block[1], block[0])
 
 
 def scale_shape(shape, block):
@@ -109,7 +115,7 @@ class MoE(nnx.Module):
     """Router (`router` [E, D], `bias` [E]: e_score_correction_bias), routed experts
     (`gate`, `up` [E, D, F], `down` [E, F, D]) and the shared experts' SwiGLU. With
     moe.fp8_block the routed experts are e4m3 beside f32 `gate_scale`, `up_scale`,
-    `down_scale` (model.moe.dequantize), dequantized on the devices that hold them."""
+    `down_scale` (fp8_scale_block), read as stored by the grouped-matmul op."""
 
     def __init__(self, d_model, moe, *, rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         E, F = moe.n_routed_experts, moe.moe_intermediate_size
@@ -131,34 +137,32 @@ class MoE(nnx.Module):
                               param_dtype=param_dtype) if moe.n_shared_experts else None)
 
     def expert_weights(self):
-        """(the routed experts' arrays as stored, unpack: them -> gate, up, down in the
-        compute dtype), for model.moe.expert_mix."""
+        """(the routed experts' arrays as stored, their scale block or None), for
+        model.moe.expert_mix: gate, up, down, and with FP8 their scales after them."""
         names = ("gate", "up", "down")
         stored = tuple(getattr(self, n)[...] for n in names)
         if not self.moe.fp8_block:
-            return stored, as_stored
-        block, dtype = self.moe.fp8_block, self.dtype
-        return stored + tuple(getattr(self, f"{n}_scale")[...] for n in names), \
-            lambda g, u, d, sg, su, sd: tuple(dequantize(q, s, block, dtype)
-                                              for q, s in ((g, sg), (u, su), (d, sd)))
+            return stored, None
+        return (stored + tuple(getattr(self, f"{n}_scale")[...] for n in names),
+                fp8_scale_block(self.moe.fp8_block))
 
     def __call__(self, x):
         mesh = sharding.current_mesh()
         group = 1 if mesh is None else sharding.mesh_axis_sizes(EXPERT_GROUP, mesh.shape)
-        stored, unpack = self.expert_weights()
+        stored, scale_block = self.expert_weights()
         routed = (expert_parallel_mix if group > 1 else local_mix)(
-            x, self.router[...], self.bias[...], stored, unpack, self.moe, mesh)
+            x, self.router[...], self.bias[...], stored, scale_block, self.moe, mesh)
         return routed if self.shared is None else routed + self.shared(x)
 
 
-def local_mix(x, router, bias, stored, unpack, moe, mesh=None):
+def local_mix(x, router, bias, stored, scale_block, moe, mesh=None):
     """The routed experts' output on one device (or under GSPMD): route, then mix.
-    stored: the experts' arrays as kept; unpack(*stored) -> (gate, up, down)."""
+    stored, scale_block: as MoE.expert_weights gives them."""
     weights, experts = route(x, router, bias, moe)
-    return expert_mix(x, weights, experts, stored, unpack)
+    return expert_mix(x, weights, experts, stored, scale_block)
 
 
-def expert_parallel_mix(x, router, bias, stored, unpack, moe, mesh):
+def expert_parallel_mix(x, router, bias, stored, scale_block, moe, mesh):
     """local_mix with the experts split over the mesh's EXPERT_GROUP (module docstring):
     each device mixes the assignments of its own experts, a psum over the group adds them.
     Tokens stay split over "sequence" where the chunk divides."""
@@ -172,7 +176,7 @@ def expert_parallel_mix(x, router, bias, stored, unpack, moe, mesh):
         local = experts - jax.lax.axis_index(EXPERT_GROUP) * n_local
         mine = (local >= 0) & (local < n_local)
         out = expert_mix(x, jnp.where(mine, weights, 0.0), jnp.where(mine, local, n_local),
-                         stored, unpack)
+                         stored, scale_block)
         return jax.lax.psum(out, EXPERT_GROUP)
 
     fn = sharding.shard_map(body, mesh=mesh,

@@ -1,14 +1,19 @@
 """Kernels behind one dispatch point (see api.py)."""
 
 from pallas_kernels.api import (
-    BACKENDS,
+    OPS,
     gathered_index_scores,
+    grouped_matmul,
     index_scores,
     map_query_rows,
-    resolve_backend,
+    resolve,
     rows_within,
     sparse_attention,
+    target_platform,
+    use_implementations,
 )
+from pallas_kernels.grouped_matmul import dequantize_blocks
 
-__all__ = ["BACKENDS", "gathered_index_scores", "index_scores", "map_query_rows",
-           "resolve_backend", "rows_within", "sparse_attention"]
+__all__ = ["OPS", "dequantize_blocks", "gathered_index_scores", "grouped_matmul", "index_scores",
+           "map_query_rows", "resolve", "rows_within", "sparse_attention", "target_platform",
+           "use_implementations"]

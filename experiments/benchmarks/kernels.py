@@ -75,7 +75,8 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes, kernels in interpret mode (tests; no performance figures)")
-    p.add_argument("--backend", choices=pallas_kernels.BACKENDS, default=None,
+    p.add_argument("--backend", choices=sorted(pallas_kernels.OPS["index_scores"].implementations),
+                   default=None,
                    help="kernel backend (default: pallas on GPU unless --smoke, else interpret)")
     for flag, kind, what in [
             ("lengths", str, "comma-separated sequence lengths (multiples of --chunk)"),

@@ -99,11 +99,11 @@ def test_fp8_experts_dequantize_where_used_and_foreign_ids_are_skipped(T):
     """Experts kept as e4m3 + block scales (the checkpoint's [out, in] blocks, transposed
     as dosa stores them) mix like their dequantized weights; an id >= E (an expert another
     device holds, weight 0) adds nothing."""
-    from model.moe import MoE, dequantize
+    from model.moe import MoE, fp8_scale_block
     from model.pretrained.fp8 import dequantize as dequantize_np
     from model.pretrained.fp8 import quantize
 
-    E, D, F, k, block = 8, 40, 24, 3, (16, 16)  # blocks that do not divide D or F
+    E, D, F, k, block = 8, 40, 24, 3, (16, 8)  # blocks that do not divide D or F
     rng = np.random.default_rng(T)
     x = rng.normal(size=(T, D)).astype(np.float32)
     dense, stored, scales = [], [], []
@@ -115,10 +115,8 @@ def test_fp8_experts_dequantize_where_used_and_foreign_ids_are_skipped(T):
         scales.append(np.stack([s.T for _, s in pairs]))
     experts = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).astype(np.int32)
     weights = rng.uniform(size=(T, k)).astype(np.float32)
-    unpack = lambda g, u, d, sg, su, sd: tuple(  # noqa: E731
-        dequantize(q, s, block, jnp.float32) for q, s in ((g, sg), (u, su), (d, sd)))
     got = expert_mix(jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts),
-                     tuple(jnp.asarray(a) for a in stored + scales), unpack)
+                     tuple(jnp.asarray(a) for a in stored + scales), fp8_scale_block(block))
     want = expert_mix(jnp.asarray(x), jnp.asarray(weights), jnp.asarray(experts),
                       tuple(jnp.asarray(a) for a in dense))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
@@ -137,5 +135,5 @@ def test_fp8_experts_dequantize_where_used_and_foreign_ids_are_skipped(T):
                                                       moe_intermediate_size=F,
                                                       fp8_block=block), rngs=nnx.Rngs(0)))
     assert module.gate.get_value().dtype == jnp.float8_e4m3fn
-    assert module.gate_scale.get_value().shape == (E, 3, 2)
-    assert module.down_scale.get_value().shape == (E, 2, 3)
+    assert module.gate_scale.get_value().shape == (E, 5, 2)  # [D / block[1], F / block[0]]
+    assert module.down_scale.get_value().shape == (E, 3, 3)

@@ -88,7 +88,7 @@ def test_vmap_over_sequences():
 
 def test_api_dispatch():
     q, w, k = indexer_inputs(10, 20, 30, 2, 16)
-    assert pallas_kernels.resolve_backend(None) == (
+    assert pallas_kernels.resolve("index_scores") == (
         "pallas" if jax.default_backend() == "gpu" else "xla")
     xla = pallas_kernels.index_scores(q, w, k, q_offset=5, backend="xla")
     interp = pallas_kernels.index_scores(q, w, k, q_offset=5, backend="interpret")

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.gathered_index_scores import gathered_index_scores_pallas
+from pallas_kernels.grouped_matmul import grouped_matmul_pallas
 from pallas_kernels.index_scores import index_scores_pallas
 from pallas_kernels.sparse_attention import sparse_attention_pallas
 from tests.pallas_kernels.test_kernels_common import DEVICE_KINDS, TRITON_MARKER, lower_for_cuda
@@ -63,10 +64,33 @@ def _sparse(shape):
     return sparse_attention_pallas, structs
 
 
+# Grouped matmul (the MoE's expert product): (M, K, N, G, FP8 block scales): DeepSeek-V3.2's
+# gate of a 4096-token chunk x 8 experts, its down projection with FP8 experts, and a
+# ragged f32 case that needs padding.
+GROUPED_SHAPES = {
+    "v32-gate": (32768, 7168, 2048, 256, None),
+    "v32-down-fp8": (32768, 2048, 7168, 256, (128, 128)),
+    "ragged-f32": (1000, 200, 300, 7, None),
+}
+
+
+def _grouped(shape):
+    M, K, N, G, block = GROUPED_SHAPES[shape]
+    if block is None:
+        dt = F32 if shape.endswith("f32") else BF16
+        structs = (S((M, K), dt), S((G, K, N), dt), S((G,), I32))
+        return grouped_matmul_pallas, structs
+    structs = (S((M, K), BF16), S((G, K, N), jnp.float8_e4m3fn),
+               S((G, K // block[0], N // block[1]), F32), S((G,), I32))
+    return (lambda x, w, s, g: grouped_matmul_pallas(x, w, g, rhs_scale=s,
+                                                     scale_block=block)), structs
+
+
 CASES = ([("index_scores", _index_scores, s) for s in INDEXER_SHAPES]
          + [("index_scores_coarse", _coarse_scores, s) for s in ("small", "v32")]
          + [("gathered_index_scores", _gathered, s) for s in INDEXER_SHAPES]
-         + [("sparse_attention", _sparse, s) for s in ATTENTION_SHAPES])
+         + [("sparse_attention", _sparse, s) for s in ATTENTION_SHAPES]
+         + [("grouped_matmul", _grouped, s) for s in GROUPED_SHAPES])
 
 
 @pytest.mark.parametrize("device_kind", DEVICE_KINDS)
