@@ -238,9 +238,9 @@ def section_grouped_correctness(rep, args, key):
             lhs.astype(jnp.float32), dense, sizes)
         for name in names:
             try:
-                out = jax.jit(functools.partial(
-                    pallas_kernels.grouped_matmul, rhs_scale=scale, scale_block=block,
-                    out_dtype=jnp.float32, implementation=name))(lhs, rhs, sizes)
+                out = pallas_kernels.grouped_matmul(
+                    lhs, rhs, sizes, rhs_scale=scale, scale_block=block,
+                    out_dtype=jnp.float32, implementation=name)
                 rep.check(f"grouped_matmul {name} {label}", out, ref, 1.6e-2)
             except Exception as e:  # noqa: BLE001 - e.g. tokamax's Mosaic kernel on FP8
                 rep.error(f"correctness/grouped_matmul {name} {label}", e)

@@ -98,8 +98,10 @@ def target_config_text(name):
 
 
 def gpu_target(name, devices=1):
-    """The GpuTarget `name` (TARGETS) with `devices` GPUs in one host. RuntimeError naming
-    the extra when JAX's CUDA plugin is not installed."""
+    """The GpuTarget `name` (TARGETS) with `devices` GPUs in one host. JAX must run on its
+    CPU backend (JAX_PLATFORMS=cpu, or jax_platforms="cpu" before any backend starts: with
+    the CUDA plugin trying a GPU that is not there, the CUDA topology is not offered).
+    RuntimeError naming the extra when JAX's CUDA plugin is not installed."""
     from jax.experimental import topologies
 
     text = target_config_text(name)

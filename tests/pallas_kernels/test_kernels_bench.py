@@ -13,7 +13,8 @@ from pallas_kernels.gathered_index_scores import gathered_index_scores_reference
 from pallas_kernels.index_scores import index_scores_reference
 from pallas_kernels.sparse_attention import sparse_attention_reference
 
-KERNELS = ("index_scores", "gathered_index_scores", "sparse_attention")
+# The kernels the correctness section checks; the first three also have timed sections.
+KERNELS = ("index_scores", "gathered_index_scores", "sparse_attention", "grouped_matmul")
 
 
 def _break(out, how, poison):
@@ -54,6 +55,13 @@ def _stand_ins(monkeypatch, broken=None, how=None):
     monkeypatch.setattr(bench_common, "sparse_attention_pallas", sparse)
     monkeypatch.setattr(pallas_kernels.api, "index_scores_pallas", scores)
 
+    def grouped(lhs, rhs, sizes, **kwargs):  # the bench calls the public op, interpreted
+        out = pallas_kernels.api.grouped_matmul_reference(lhs, rhs, sizes, **kwargs)
+        return _break(out, how if broken == "grouped_matmul" else None, None)
+
+    monkeypatch.setitem(pallas_kernels.api.OPS["grouped_matmul"].implementations, "interpret",
+                        pallas_kernels.api.Implementation(grouped))
+
 
 def _correctness(tmp_path, *extra):
     data = bench.main(["--smoke", "--sections", "correctness", "--out", str(tmp_path), *extra])
@@ -65,6 +73,7 @@ def _correctness(tmp_path, *extra):
     pytest.param("index_scores", "unwritten", marks=pytest.mark.slow),
     pytest.param("gathered_index_scores", "shifted", marks=pytest.mark.slow),
     ("sparse_attention", "shifted"),
+    pytest.param("grouped_matmul", "shifted", marks=pytest.mark.slow),
     pytest.param("sparse_attention", "unwritten", marks=pytest.mark.slow)])
 @pytest.mark.slow  # a heavy equivalence: default-tier headroom
 def test_correctness_fails_exactly_the_wrong_kernel(tmp_path, monkeypatch, broken, how):
@@ -101,7 +110,7 @@ def test_report_keys_and_no_paths(tmp_path, capsys):
             "elapsed_s", "chosen_configs"} <= set(saved)
     assert saved["smoke"] is True and "out" not in saved["args"]
     assert str(tmp_path) not in text
-    assert set(saved["chosen_configs"]) == set(KERNELS)
+    assert set(saved["chosen_configs"]) == set(KERNELS[:3])  # the tuned (timed) kernels
     assert [r["section"] for r in saved["results"]] == ["matmul"]
     assert saved["env"]["matmul_tflops"] == pytest.approx(
         2 * 8 * 256**3 / (saved["results"][0]["time_s"] * 8) / 1e12)
@@ -118,7 +127,7 @@ def test_smoke_run_every_section(tmp_path):
     rows = saved["results"]
     assert {r["section"] for r in rows} == {"matmul", "scores", "gathered", "attention"}
     timed = {r["name"]: r for r in rows}
-    for kernel in KERNELS:  # each kernel's timed row has a reference row, compared in speed
+    for kernel in KERNELS[:3]:  # each timed kernel's row has a reference row, compared in speed
         refs = [r for r in rows if r["name"].startswith(f"{kernel} reference (xla)")]
         assert len(refs) == 1, (kernel, rows)
         mine = timed[refs[0]["name"].replace("reference (xla)", "(interpret)")]
