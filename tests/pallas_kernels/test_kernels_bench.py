@@ -57,7 +57,9 @@ def _stand_ins(monkeypatch, broken=None, how=None):
 
     def grouped(lhs, rhs, sizes, **kwargs):  # the bench calls the public op, interpreted
         out = pallas_kernels.api.grouped_matmul_reference(lhs, rhs, sizes, **kwargs)
-        return _break(out, how if broken == "grouped_matmul" else None, None)
+        if broken == "grouped_matmul":  # 10% of its largest entry off: beyond the tolerance
+            return out + 0.1 * jnp.abs(out).max()
+        return out
 
     monkeypatch.setitem(pallas_kernels.api.OPS["grouped_matmul"].implementations, "interpret",
                         pallas_kernels.api.Implementation(grouped))
