@@ -134,3 +134,22 @@ def write_json(path, payload):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2))
     return path
+
+
+class CompileCounter:
+    """Counts XLA backend compiles (jax.monitoring's compile event) from its creation:
+    take() -> the count since the last take. What is timed must compile nothing."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self):
+        self.count = self.taken = 0
+        jax.monitoring.register_event_duration_secs_listener(self._seen)
+
+    def _seen(self, event, duration, **kwargs):
+        if event == self.EVENT:
+            self.count += 1
+
+    def take(self):
+        n, self.taken = self.count - self.taken, self.count
+        return n

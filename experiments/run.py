@@ -3,6 +3,8 @@
     python -m experiments.run [--config experiments/configs/run_default.yaml] [--out DIR]
         [--set key.path=value ...] [--mesh sequence=4,tensor=2]
         [--coordinator-address HOST:PORT --num-processes N --process-id I]
+    python -m experiments.run --config experiments/configs/run_gpu.yaml \
+        --compile-only --target h100|h200 [--out DIR]
 
 For every context length and mode of the config (default: the shipped `small` checkpoint on
 held-out real text; sparse-flat and sparse-hierarchical at 8K, 16K and 32K, dense up to
@@ -13,6 +15,13 @@ time, and the fidelity of each mode against the reference (recall and IoU of the
 greedy top-1 agreement and logit KL over the last positions, vs flat and vs dense). Writes
 OUT/results.json, OUT/report.md and OUT/ttft.png (default OUT: runs/run/); prints a table.
 Other configs: experiments/configs/run_*.yaml (longer CPU run, ablations, one H200).
+
+Every program is compiled once (experiments.ttft.plan: one cache capacity for every length,
+so a shorter prefill's chunks are a longer one's first), before the first length that runs
+it is timed; the XLA compiles of each length are counted and printed (0 while timed).
+--compile-only --target: no device, no weights; every program of the config compiled for
+that GPU here (the `cuda12` extra, docs/gpus.md), printed with its compile seconds and peak
+memory against the device's memory x 0.9; writes OUT/compile_only.json.
 """
 
 import argparse
@@ -27,10 +36,12 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from experiments.common import add_out_argument, enable_compile_cache, recorded_command, write_json
+from experiments.gpu_targets import TARGETS
 from experiments.schema import ConfigError
 from experiments.ttft.config import load_run_config
+from experiments.ttft.plan import plan_length
 from experiments.ttft.report import COLUMNS, markdown, plot, row_cells, summary_line
-from experiments.ttft.study import METHOD, environment, load_source, run_study
+from experiments.ttft.study import METHOD, environment, load_source, run_study, source_config
 from model import CheckpointMissingError
 from model.parallel_flags import add_parallel_arguments
 from model.sharding import check_mesh, mesh_from_args, use_mesh
@@ -48,9 +59,17 @@ def parse_args(argv):
     p.add_argument("--model", default=None, metavar="NAME|PATH",
                    help="a pretrained model (e.g. smollm2-135m) or a .gguf / HF folder: "
                         "shorthand for --set model.pretrained=NAME")
+    p.add_argument("--compile-only", action="store_true",
+                   help="compile every program of the config for --target here, run nothing")
+    p.add_argument("--target", choices=sorted(TARGETS), default=None,
+                   help="the GPU --compile-only compiles for")
     add_parallel_arguments(p)  # --mesh, --coordinator-address, --num-processes, --process-id
     add_out_argument(p, "run")
     args = p.parse_args(argv)
+    if args.compile_only != (args.target is not None):
+        p.error("--compile-only and --target go together")
+    if args.compile_only and args.mesh:
+        p.error("--compile-only compiles for one GPU: drop --mesh")
     if args.model is not None:
         args.set = [f"model.pretrained={args.model}", *args.set]
     try:
@@ -62,8 +81,41 @@ def parse_args(argv):
     return p, args, run
 
 
+def compile_only(p, args, run, argv):
+    """Every program of the study compiled for args.target here -> the JSON payload."""
+    jax.config.update("jax_platforms", "cpu")  # before any backend: the deviceless compile
+    from experiments.gpu_targets import gpu_target
+    from experiments.ttft.plan import GIB, rehearse
+
+    try:
+        config, description = source_config(run.model, max(run.lengths) + run.decode_steps + 1)
+        target = gpu_target(args.target)
+    except (ValueError, ConfigError, CheckpointMissingError, RuntimeError) as e:
+        p.error(f"model: {e}" if not isinstance(e, RuntimeError) else str(e))
+    print(f"compiling {description}, lengths {list(run.lengths)}, modes "
+          f"{[m.name for m in run.modes]}, for {target.device_kind}", flush=True)
+    try:
+        plan_length(run, config, max(run.lengths))
+    except ValueError as e:
+        p.error(str(e))
+    t0 = time.perf_counter()
+    report = rehearse(run, config, target, log=lambda line: print(line, flush=True))
+    s = report["summary"]
+    print(f"{s['executables']} executables, each compiled once, {s['compile_s']} s of "
+          f"compiles; peak {s['peak_bytes'] / GIB:.2f} GiB, with what the study holds beside "
+          f"it {s['held_bytes'] / GIB:.2f} GiB, of {s['device_bytes'] / GIB:.1f} GiB (fit "
+          f"x 0.9: {s['fits']}, with what is held: {s['fits_with_held']})")
+    payload = {"config": run.to_dict(), "model": description, "jax": jax.__version__,
+               "command": recorded_command("experiments.run", argv),
+               "wall_s": round(time.perf_counter() - t0, 1), **report}
+    write_json(pathlib.Path(args.out) / "compile_only.json", payload)
+    return payload
+
+
 def main(argv=None):
     p, args, run = parse_args(argv)
+    if args.compile_only:
+        return compile_only(p, args, run, argv)
     try:  # jax.distributed first: no other JAX call may come before it
         mesh = mesh_from_args(args)
     except ValueError as e:
@@ -89,6 +141,10 @@ def main(argv=None):
             spec.model_config(model.config)
         except ValueError as e:
             p.error(f"modes: {spec.name}: {e}")
+    try:
+        plan_length(run, model.config, max(run.lengths))
+    except ValueError as e:
+        p.error(str(e))
     console.print(f"dosa TTFT study: {description}; lengths {list(run.lengths)}; modes "
                   f"{[m.name for m in run.modes]}; {run.repetitions} timed prefills each")
     if random_weights:

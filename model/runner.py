@@ -80,6 +80,25 @@ def _batch_step(state, tokens, caches, positions, *, kv_len, graphdef, mesh, par
     return jax.vmap(one)(tokens, caches, positions)
 
 
+@functools.partial(jax.jit, static_argnames=("size",))
+def _rows(x, start, size):
+    """x[start:start + size]: the prefill's logits rows of a chunk, one program per shape
+    (compiled by compile_prefill, so a timed prefill compiles nothing)."""
+    return jax.lax.dynamic_slice_in_dim(x, start, size)
+
+
+@jax.jit
+def _concat(pieces):
+    return jnp.concatenate(pieces)
+
+
+def step_key(step):
+    """What makes a step (lower_step's arguments) its own program: (rows, keys read,
+    all_logits, capture kinds). Runners of one config share the programs of equal keys."""
+    tokens, _, _, kv_len, _, all_logits, capture = step
+    return tokens.shape[0], kv_len, all_logits, tuple(capture)
+
+
 class ModelRunner:
 
     """Runs one sequence at a time through a Transformer with a KV + indexer-key cache.
@@ -115,32 +134,93 @@ class ModelRunner:
         return _step(state, tokens, cache, start, kv_len, n_valid, all_logits, capture,
                      **self._static)
 
-    def lower_step(self, tokens, cache, start, kv_len, n_valid, all_logits=False, capture=()):
+    def lower_step(self, tokens, cache, start, kv_len, n_valid, all_logits=False, capture=(),
+                   *, place=None):
         """The jitted step of one chunk, lowered for these (abstract) arguments (to compile it
-        ahead of use, or read its HLO)."""
-        return _step.lower(self.state, tokens, cache, start, kv_len, n_valid, all_logits,
-                           capture, **self._static)
+        ahead of use, or read its HLO). place: maps the step's array arguments (state,
+        tokens, cache, start, n_valid) to placed shape structs (compiling for another
+        device: experiments.gpu_targets)."""
+        state = self.state
+        if place is not None:
+            state, tokens, cache, start, n_valid = place((state, tokens, cache, start, n_valid))
+        return _step.lower(state, tokens, cache, start, kv_len, n_valid, all_logits, capture,
+                           **self._static)
 
-    def compile_prefill(self, n, *, capacity=None, chunk=None, start=0, logits_from=None,
-                        capture=(), capture_from=None):
-        """Compiles, without running, every step a prefill of n tokens with these arguments
-        would run (a warm-up that costs compile time only) -> number of distinct steps."""
+    def _plan(self, n, *, capacity=None, chunk=None, start=0, logits_from=None, capture=(),
+              capture_from=None, cache_capacity=None):
+        """(cache capacity, [(chunk, all_logits, capture kinds, logits rows (first, count) or
+        None)]) of a prefill of n tokens with these arguments (cache_capacity: an existing
+        cache's)."""
         chunk, capture, capture_from, logits_from = self._check(n, chunk, start, capture,
                                                                 capture_from, logits_from)
-        cap = length_bucket(capacity or (start + n))
-        if self.mesh is not None:
-            cache = cache_shapes(self.config, cap, self.mesh)
-        else:
-            cache = jax.eval_shape(lambda: init_cache(self.config, cap))
-        seen = set()
+        cap = cache_capacity or length_bucket(capacity or (start + n))
+        plan = []
         for c in chunk_plan(n, start=start, capacity=cap, chunk=chunk):
-            key = (c.padded, c.kv_len, *self._chunk_outputs(c, logits_from, capture,
-                                                            capture_from))
-            if key not in seen:
-                seen.add(key)
-                self.lower_step(jax.ShapeDtypeStruct((c.padded,), jnp.int32), cache,
-                                c.position, c.kv_len, c.length, key[2], key[3]).compile()
-        return len(seen)
+            all_logits, kinds = self._chunk_outputs(c, logits_from, capture, capture_from)
+            first = max(0, logits_from - c.position) if all_logits else 0
+            plan.append((c, all_logits, kinds, (first, c.length - first) if all_logits
+                         else None))
+        return cap, plan
+
+    def prefill_steps(self, n, **kwargs):
+        """The distinct steps a prefill of n tokens with these arguments (prefill's) runs,
+        each as lower_step's arguments (tokens and cache as shape structs)."""
+        cap, plan = self._plan(n, **kwargs)
+        cache = self.abstract_cache(cap)
+        steps = {}
+        for c, all_logits, kinds, _ in plan:
+            step = (jax.ShapeDtypeStruct((c.padded,), jnp.int32), cache, c.position, c.kv_len,
+                    c.length, all_logits, kinds)
+            steps.setdefault(step_key(step), step)
+        return list(steps.values())
+
+    def compile_prefill(self, n, **kwargs):
+        """Compiles, without running, every program a prefill of n tokens with these
+        arguments (prefill's) runs: its distinct steps (prefill_steps) and the programs that
+        gather its logits rows (a warm-up that costs compile time only) -> number of distinct
+        steps."""
+        steps = self.prefill_steps(n, **kwargs)
+        logits = {}
+        for step in steps:
+            compiled = self.lower_step(*step).compile()
+            if step[5]:  # all_logits: the step's logits, as its output gives them
+                out = compiled.out_info[0]
+                logits[step[0].shape[0]] = jax.ShapeDtypeStruct(
+                    out.shape, out.dtype, sharding=compiled.output_shardings[0])
+        pieces = []
+        for c, all_logits, _, rows in self._plan(n, **kwargs)[1]:
+            if all_logits:
+                piece = _rows.lower(logits[c.padded], rows[0], rows[1]).compile()
+                out = piece.out_info
+                pieces.append(jax.ShapeDtypeStruct(out.shape, out.dtype,
+                                                   sharding=piece.output_shardings))
+        if pieces:
+            _concat.lower(pieces).compile()
+        return len(steps)
+
+    def decode_steps(self, positions, capacity):
+        """The distinct steps of decoding at `positions` in a cache of `capacity`, as
+        lower_step's arguments."""
+        cap = length_bucket(capacity)
+        cache = self.abstract_cache(cap)
+        first = {}  # kv_len -> the first position that reads it
+        for p in positions:
+            first.setdefault(min(cap, length_bucket(p + 1)), p)
+        return [(jax.ShapeDtypeStruct((1,), jnp.int32), cache, p, kv, 1, False, ())
+                for kv, p in sorted(first.items())]
+
+    def abstract_cache(self, capacity):
+        """Shape structs of a cache of `capacity` positions (placed, under a mesh)."""
+        if self.mesh is not None:
+            return cache_shapes(self.config, capacity, self.mesh)
+        return jax.eval_shape(lambda: init_cache(self.config, capacity))
+
+    def compile_decode(self, positions, capacity):
+        """Compiles the decode steps at `positions` (decode_steps') -> their number."""
+        steps = self.decode_steps(positions, capacity)
+        for step in steps:
+            self.lower_step(*step).compile()
+        return len(steps)
 
     def _check(self, n, chunk, start, capture, capture_from, logits_from):
         if n < 1:
@@ -168,7 +248,7 @@ class ModelRunner:
     def _host(self, tokens):
         """Token ids as the step takes them: a device array on one device; a host (numpy)
         array under a mesh, which jit places on the mesh (the same on every process)."""
-        return np.asarray(tokens) if self.mesh is not None else jnp.asarray(tokens)
+        return np.asarray(tokens) if self.mesh is not None else jax.device_put(tokens)
 
     def new_cache(self, capacity):
         if capacity > self.config.max_seq_len:
@@ -193,28 +273,29 @@ class ModelRunner:
         """
         tokens = np.asarray(tokens, dtype=np.int32)
         n = int(tokens.shape[0])
-        chunk, capture, capture_from, logits_from = self._check(n, chunk, start, capture,
-                                                                capture_from, logits_from)
+        self._check(n, chunk, start, capture, capture_from, logits_from)
         if cache is None:
             cache = self.new_cache(capacity or (start + n))
         cap = cache_capacity(cache)
         if start + n > cap:
             raise ValueError(f"cache holds {cap} positions, prefill needs {start + n}")
+        _, plan = self._plan(n, chunk=chunk, start=start, logits_from=logits_from,
+                             capture=capture, capture_from=capture_from, cache_capacity=cap)
+        capture_from = start if capture_from is None else int(capture_from)
         logits, captured = [], []
-        for c in chunk_plan(n, start=start, capacity=cap, chunk=chunk):
+        for c, all_logits, kinds, rows in plan:
             padded = np.zeros(c.padded, np.int32)
             padded[:c.length] = tokens[c.offset:c.offset + c.length]
-            all_logits, kinds = self._chunk_outputs(c, logits_from, capture, capture_from)
             out, cache, got = self._run_step(self.state, self._host(padded), cache, c.position,
-                                         c.kv_len, c.length, all_logits, kinds)
+                                             c.kv_len, c.length, all_logits, kinds)
             if all_logits:
-                logits.append(out[max(0, logits_from - c.position):c.length])
+                logits.append(_rows(out, *rows))
             elif logits_from is None:
                 logits = [out]
             if kinds:
-                rows = slice(max(0, capture_from - c.position), c.length)
-                captured.append(jax.tree.map(lambda a, rows=rows: np.asarray(a)[:, rows], got))
-        logits = jnp.concatenate(logits) if logits_from is not None else logits[0]
+                kept = slice(max(0, capture_from - c.position), c.length)
+                captured.append(jax.tree.map(lambda a, kept=kept: np.asarray(a)[:, kept], got))
+        logits = _concat(logits) if logits_from is not None else logits[0]
         if capture:
             return logits, cache, jax.tree.map(lambda *xs: np.concatenate(xs, axis=1),
                                                *captured)

@@ -189,8 +189,11 @@ def put(tree, shardings):
     """Places host or single-device arrays on global shardings. Works across processes
     (jax.distributed): each process fills its own shards from its copy, which must be the
     same on every process. Arrays already placed so (a model streamed onto the mesh as it
-    loaded) are kept as they are, never gathered."""
+    loaded) are kept as they are, never gathered. Shape structs (a model made without
+    weights, to compile for a mesh) become shape structs with the sharding."""
     def one(x, sharding):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
         if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
             return x
         host = np.asarray(x)

@@ -41,7 +41,6 @@ import dataclasses  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -51,14 +50,13 @@ from flax import nnx  # noqa: E402
 import pallas_kernels  # noqa: E402
 from experiments.benchmarks.hlo_report import DotFlops, largest_temporaries, temp_buffers  # noqa: E402
 from experiments.common import add_out_argument, recorded_command, write_json  # noqa: E402
-from experiments.gpu_targets import TARGETS, gpu_target  # noqa: E402
-from model import Transformer  # noqa: E402
+from experiments.gpu_targets import TARGETS, gpu_target, peak_bytes  # noqa: E402
+from model import ModelRunner, Transformer  # noqa: E402
 from model.buckets import Chunk  # noqa: E402
 from model.cache import init_cache  # noqa: E402
 from model.config import get_config, keep_layers  # noqa: E402
 from model.costs import prefill_counts  # noqa: E402
 from model.moe import MoE, route  # noqa: E402
-from model.runner import _step  # noqa: E402
 from pallas_kernels.grouped_matmul import rows_per_tile, tile_work  # noqa: E402
 
 NAME = "gpu_compile"
@@ -92,37 +90,26 @@ def model_config(args, case):
     return config
 
 
+def abstract_model(config):
+    """A Transformer of `config` whose parameters are shape structs (no weights made)."""
+    return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
+
+
 def step_program(config, case, context, chunk):
-    """(jitted function, its abstract arguments, model.costs' chunk) of one step."""
+    """(lower(place) -> jax Lowered, model.costs' chunk) of one step (GpuTarget.compile)."""
     if case.part == "moe":
         dtype, pdtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(
             config.d_model, config.moe, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=pdtype)))
         fn = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
-        return fn, (state, jax.ShapeDtypeStruct((chunk, config.d_model), dtype)), None
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+        args = (state, jax.ShapeDtypeStruct((chunk, config.d_model), dtype))
+        return (lambda place: fn.trace(*place(args)).lower()), None
+    runner = ModelRunner(abstract_model(config))
     cache = jax.eval_shape(lambda: init_cache(config, context))
     T = chunk if case.step == "prefill" else 1
-
-    def step(state, tokens, cache, start, n_valid):
-        return _step.__wrapped__(state, tokens, cache, start, context, n_valid, False, (),
-                                 graphdef=graphdef, mesh=None, parallel=None)
-
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    args = (state, jax.ShapeDtypeStruct((T,), jnp.int32), cache, scalar, scalar)
-    return jax.jit(step, donate_argnums=(2,)), args, Chunk(0, context - T, T, T, context)
-
-
-def compile_once(target, fn, args, *, dump_dir=None, chosen=None):
-    """(compiled, seconds) of fn on the target (kernel ops as `chosen` says). JAX caches
-    traces by argument, not by the kernel table's choices, and dosa's inner jitted
-    functions pick their kernels while tracing: every compile starts from empty caches."""
-    jax.clear_caches()
-    t0 = time.perf_counter()
-    with target.compiling(), pallas_kernels.use_implementations(**(chosen or {})):
-        traced = fn.trace(*target.abstract(args))
-        compiled = traced.lower().compile(target.compiler_options(dump_dir))
-    return compiled, time.perf_counter() - t0
+    tokens = jax.ShapeDtypeStruct((T,), jnp.int32)
+    return (lambda place: runner.lower_step(tokens, cache, context - T, context, T,
+                                            place=place)), Chunk(0, context - T, T, T, context)
 
 
 def expert_work(config, chunk):
@@ -168,9 +155,9 @@ def costs_flops(config, chunk):
 def run_case(args, case):
     target = gpu_target(case.target)
     config = model_config(args, case)
-    fn, fargs, chunk = step_program(config, case, args.context, args.chunk)
+    lower, chunk = step_program(config, case, args.context, args.chunk)
     with tempfile.TemporaryDirectory() as dump:
-        compiled, seconds = compile_once(target, fn, fargs, dump_dir=dump, chosen=args.use)
+        compiled, seconds = target.compile(lower, implementations=args.use, dump_dir=dump)
         m = compiled.memory_analysis()
         largest = largest_temporaries(dump)
         row = dataclasses.asdict(case) | {
@@ -182,8 +169,7 @@ def run_case(args, case):
         if case.part == "moe":
             E, k = config.moe.n_routed_experts, config.moe.num_experts_per_tok
             row["dense_buffers"] = dense_buffers(dump, args.chunk * k, E)
-    row["peak_bytes"] = (row["argument_bytes"] + row["temp_bytes"] + row["output_bytes"]
-                         - row["alias_bytes"])
+    row["peak_bytes"] = peak_bytes(compiled)
     row["device_bytes"] = target.memory_bytes
     row["fits"] = row["peak_bytes"] <= args.utilization * target.memory_bytes
     text = compiled.as_text()
@@ -193,7 +179,7 @@ def run_case(args, case):
     if case.part == "moe" and case.step == "prefill":
         row["expert_work"] = expert_work(config, args.chunk)
     if args.xla_flops and chunk is not None:
-        xla, seconds = compile_once(target, fn, fargs, chosen=XLA_IMPLEMENTATIONS)
+        xla, seconds = target.compile(lower, implementations=XLA_IMPLEMENTATIONS)
         counted = DotFlops(xla.as_text())
         row["xla_flops"] = counted.total
         row["costs_flops"] = costs_flops(config, chunk)

@@ -38,11 +38,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from experiments.common import add_out_argument, recorded_command, write_json
+from experiments.common import CompileCounter, add_out_argument, recorded_command, write_json
 from model import ModelRunner, Transformer, with_config
-from model.buckets import chunk_plan
-from model.cache import init_cache
 from model.config import get_config, keep_layers
+from model.runner import step_key
 
 NAME = "gpu_ttft"
 MODES = ("flat", "hierarchical")
@@ -83,57 +82,44 @@ def prefilled(length, decode_steps):
     return length - decode_steps - 1
 
 
-def step_shapes(config, lengths, capacity, decode_steps, fidelity, capture):
-    """The distinct steps of every prefill: (padded rows, kv_len, capture kinds), and the
-    decode step's."""
-    shapes = set()
-    for L in lengths:
-        n = prefilled(L, decode_steps)
-        for c in chunk_plan(n, start=0, capacity=capacity, chunk=config.prefill_chunk):
-            captured = capture if capture and c.position + c.length > n - fidelity else ()
-            shapes.add((c.padded, c.kv_len, captured))
-    shapes.add((1, capacity, ()))
-    return sorted(shapes, key=lambda s: (s[1], s[0], s[2]))
+def distinct_steps(runner, args):
+    """{step_key: lower_step's arguments} of every prefill of the run (one cache of the
+    longest length) and of the decode steps after the longest."""
+    cap, d, P, kinds = max(args.lengths), args.decode_steps, args.fidelity_positions, \
+        capture_kinds(args)
+    steps = {}
+    for L in args.lengths:
+        n = prefilled(L, d)
+        for step in runner.prefill_steps(n, capacity=cap, capture=kinds,
+                                         capture_from=n - P if kinds else None):
+            steps.setdefault(step_key(step), step)
+    n = prefilled(cap, d)
+    for step in runner.decode_steps(range(n, n + d + 1), cap):
+        steps.setdefault(step_key(step), step)
+    return steps
 
 
 def rehearse(args):
     """--compile-only: compile every step for the target here -> the JSON payload."""
-    from experiments.gpu_targets import gpu_target
-    from model.runner import _step
+    from experiments.gpu_targets import gpu_target, peak_bytes
 
     target = gpu_target(args.target)
     experts = choose_experts(args, target.memory_bytes)
     rows = []
     for mode in MODES:
         config = base_config(args, experts).replace(indexer=mode)
-        capture = capture_kinds(args)
-        graphdef, state = nnx.split(nnx.eval_shape(lambda c=config: Transformer(
-            c, rngs=nnx.Rngs(0))))
-        cache = jax.eval_shape(lambda c=config: init_cache(c, max(args.lengths)))
-        for padded, kv_len, kinds in step_shapes(config, args.lengths, max(args.lengths),
-                                                 args.decode_steps, args.fidelity_positions,
-                                                 capture):
-            def step(state, tokens, cache, start, n_valid, kv_len=kv_len, kinds=kinds,
-                     graphdef=graphdef):
-                return _step.__wrapped__(state, tokens, cache, start, kv_len, n_valid, False,
-                                         kinds, graphdef=graphdef, mesh=None, parallel=None)
-
-            scalar = jax.ShapeDtypeStruct((), jnp.int32)
-            abstract = target.abstract((state, jax.ShapeDtypeStruct((padded,), jnp.int32),
-                                        cache, scalar, scalar))
-            jax.clear_caches()  # the kernel table is read while tracing
-            t0 = time.perf_counter()
-            with target.compiling():
-                compiled = jax.jit(step, donate_argnums=(2,)).trace(*abstract).lower() \
-                    .compile(target.compiler_options())
-            m = compiled.memory_analysis()
-            peak = (m.argument_size_in_bytes + m.temp_size_in_bytes + m.output_size_in_bytes
-                    - m.alias_size_in_bytes)
+        runner = ModelRunner(nnx.eval_shape(lambda c=config: Transformer(c, rngs=nnx.Rngs(0))))
+        for key, step in sorted(distinct_steps(runner, args).items(),
+                                key=lambda kv: (kv[0][1], kv[0][0], kv[0][2:])):
+            compiled, seconds = target.compile(
+                lambda place, step=step, runner=runner: runner.lower_step(*step, place=place))
+            m, peak = compiled.memory_analysis(), peak_bytes(compiled)
+            padded, kv_len, _, kinds = key
             rows.append({"mode": mode, "rows": padded, "kv_len": kv_len,
-                         "capture": list(kinds), "compile_s": round(time.perf_counter() - t0, 1),
+                         "capture": list(kinds), "compile_s": round(seconds, 1),
                          "temp_bytes": m.temp_size_in_bytes, "peak_bytes": peak})
             print(f"{mode:>12} step rows {padded:>5} keys {kv_len:>7} capture {list(kinds)}: "
-                  f"compile {rows[-1]['compile_s']:5.1f} s, temp {m.temp_size_in_bytes / GIB:.2f}"
+                  f"compile {seconds:5.1f} s, temp {m.temp_size_in_bytes / GIB:.2f}"
                   f" GiB, peak {peak / GIB:.2f} GiB", flush=True)
     peak = max(r["peak_bytes"] for r in rows)
     summary = {"target": args.target, "experts": experts, "executables": len(rows),
@@ -164,8 +150,7 @@ def measure(args, save):
     cap, P, d = max(args.lengths), args.fidelity_positions, args.decode_steps
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, cap).astype(np.int32)
     kinds = capture_kinds(args)
-    shapes = {m: step_shapes(r.config, args.lengths, cap, d, P, kinds)
-              for m, r in runners.items()}
+    steps = {m: distinct_steps(r, args) for m, r in runners.items()}
     compiles = CompileCounter()
     t0 = time.perf_counter()
     for L in args.lengths:
@@ -175,18 +160,18 @@ def measure(args, save):
                                    capture_from=n - P if kinds else None)
     for runner in runners.values():  # the cache's own small fill programs
         runner.new_cache(cap)
-    for padded in {s[0] for shape in shapes.values() for s in shape}:  # token uploads
+    for padded in {key[0] for keys in steps.values() for key in keys}:  # token uploads
         jnp.asarray(np.zeros(padded, np.int32)).block_until_ready()
     compile_s = time.perf_counter() - t0
     # The decode steps compile on their first (untimed) call.
-    expected = sum(map(len, shapes.values())) - len(runners)
+    expected = sum(map(len, steps.values())) - len(runners)
     compiled = compiles.take()
     print(f"weights ({experts} experts) {init_s:.1f} s; {compiled} backend compiles ("
           f"{expected} prefill steps, the rest the cache's and the tokens' small programs) in "
           f"{compile_s:.1f} s", flush=True)
     rows = []
     payload = {"device": device.device_kind, "experts": experts, "init_s": round(init_s, 1),
-               "executables": sum(map(len, shapes.values())),
+               "executables": sum(map(len, steps.values())),
                "backend_compiles": {"before_timing": compiled}, "compile_s": round(compile_s, 1),
                "rows": rows}
     for L in args.lengths:
@@ -226,25 +211,6 @@ def measure(args, save):
                     "bytes_limit": stats.get("bytes_limit")}
         save(payload)
     return payload
-
-
-class CompileCounter:
-    """Counts XLA backend compiles (jax.monitoring's compile event) from its creation:
-    take() -> the count since the last take. What is timed must compile nothing."""
-
-    EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __init__(self):
-        self.count = self.taken = 0
-        jax.monitoring.register_event_duration_secs_listener(self._seen)
-
-    def _seen(self, event, duration, **kwargs):
-        if event == self.EVENT:
-            self.count += 1
-
-    def take(self):
-        n, self.taken = self.count - self.taken, self.count
-        return n
 
 
 def decode_times(runner, out, n, steps):

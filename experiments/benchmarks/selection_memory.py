@@ -34,6 +34,7 @@ import model.attention
 import pallas_kernels.api
 from experiments.benchmarks.support import equal_up_to_ties, median_interleaved, random_inputs
 from experiments.common import add_out_argument, display_path, machine_description, write_json
+from experiments.gpu_targets import peak_bytes
 from indexer import flat_topk
 from indexer.streaming import streaming_topk
 from model import ModelRunner, Transformer, get_config, init_cache
@@ -56,13 +57,6 @@ def former_defaults(kind):
     stack.enter_context(mock.patch.object(model.attention, "DENSE_ATTENTION_ROWS", 1 << 30))
     stack.enter_context(mock.patch.object(model.attention, "DENSE_ATTENTION_BYTES", 1 << 60))
     return stack
-
-
-def peak_bytes(compiled):
-    """Temporaries + arguments + outputs of a compiled program (aliased bytes once)."""
-    m = compiled.memory_analysis()
-    return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
-               - m.alias_size_in_bytes)
 
 
 def selection_program(kind, top_k, q_offset):

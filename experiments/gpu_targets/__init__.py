@@ -10,9 +10,8 @@ used), real times, and a program too big for the device still compiles (compare 
 yourself). docs/gpus.md has the recipe and its limits.
 
     target = gpu_target("h100")
-    with target.compiling():
-        compiled = jax.jit(f).trace(*target.abstract(args)).lower().compile(
-            target.compiler_options())
+    compiled, seconds = target.compile(lambda place: jax.jit(f).trace(*place(args)).lower())
+    peak_bytes(compiled)
 """
 
 import contextlib
@@ -75,13 +74,43 @@ class GpuTarget:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                            sharding=sharding), tree)
 
-    @contextlib.contextmanager
-    def compiling(self):
-        """Trace, lower and compile inside: the target's mesh and first device are the
-        defaults, so Pallas, jax-triton and dosa's kernel table see a GPU, not this CPU."""
+    def place(self, tree):
+        """abstract(), with Python ints (a step's start and row count) as int32 scalars."""
+        import jax
+        import jax.numpy as jnp
+
+        return self.abstract(jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((), jnp.int32) if isinstance(x, int) else x, tree))
+
+    def compile(self, lower, *, implementations=None, dump_dir=None, mesh=None):
+        """(compiled, seconds): lower(place) -> a jax Lowered, compiled for this GPU, with the
+        kernel table's ops as `implementations` says ({op: name}). JAX caches traces by
+        argument, not by the kernel table's choices, and dosa's inner jitted functions pick
+        their kernels while tracing: every compile starts from empty caches. mesh: a mesh
+        over this target's devices with the model's own axes (model.sharding.make_mesh),
+        when the arguments are placed on it."""
+        import time
+
         import jax
 
-        with jax.set_mesh(self.mesh), jax.default_device(self.devices[0]):
+        import pallas_kernels
+
+        jax.clear_caches()
+        t0 = time.perf_counter()
+        with self.compiling(mesh), \
+                pallas_kernels.use_implementations(**(implementations or {})):
+            compiled = lower(self.place).compile(self.compiler_options(dump_dir))
+        return compiled, time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def compiling(self, mesh=None):
+        """Trace, lower and compile inside: the target's mesh (or `mesh`, over its devices)
+        and first device are the defaults, so Pallas, jax-triton and dosa's kernel table see
+        a GPU, not this CPU."""
+        import jax
+
+        with jax.set_mesh(self.mesh if mesh is None else mesh), \
+                jax.default_device(self.devices[0]):
             yield
 
     def compiler_options(self, dump_dir=None):
@@ -89,6 +118,14 @@ class GpuTarget:
         if dump_dir is not None:
             options.update(xla_dump_to=str(dump_dir), xla_dump_hlo_as_text=True)
         return options
+
+
+def peak_bytes(compiled):
+    """Temporaries + arguments + outputs of a compiled program (aliased bytes once): what it
+    needs on the device while it runs."""
+    m = compiled.memory_analysis()
+    return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes
+               - m.alias_size_in_bytes)
 
 
 def target_config_text(name):

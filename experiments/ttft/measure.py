@@ -2,7 +2,8 @@
 
 TTFT is prefill start to first token available (the last position's logits ready and
 argmax'd on the host), timed with time.perf_counter after a compile-only warm-up
-(ModelRunner.compile_prefill), so no compile is timed. Every mode of a length and the
+(ModelRunner.compile_prefill of every program experiments.ttft.plan lists), so no compile is
+timed (the study counts XLA's compiles while timing: 0). Every mode of a length and the
 baselines of its split are compiled first, then timed interleaved: each repetition runs
 each of them once (reference first), so a slow spell of the machine falls on all of them
 alike; ratios and the split use each one's fastest run (the min), the median is reported
@@ -31,8 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments.evaluation.metrics import selections_on_captured
+from experiments.ttft import plan
 from indexer import iou, recall
-from model import ModelRunner, with_config
 
 
 @dataclasses.dataclass
@@ -47,27 +48,41 @@ class ModeRun:
     cache: list | None = None
 
 
-class TimedPrefill:
-    """One runner's prefill of `tokens`, compiled at construction (compile_prefill) and
-    timed one call at a time (`time_once`), so that several can be interleaved. `times`:
-    TTFT ms of each timed call; `out`: the last call's output."""
+@jax.jit
+def _last_row(logits):
+    return logits[-1]
 
-    def __init__(self, runner, tokens, *, capacity, logits_from=None, capture=(),
-                 capture_from=None):
-        self.runner, self.tokens, self.logits_from = runner, tokens, logits_from
-        self.args = dict(capacity=capacity, logits_from=logits_from, capture=capture,
-                         capture_from=capture_from)
-        runner.compile_prefill(len(tokens), **self.args)
+
+class TimedPrefill:
+    """The prefill `prefill` (a plan.Prefill) of `tokens` by `runner`, compiled at
+    construction (compile_prefill) and timed one call at a time (`time_once`), so that
+    several can be interleaved. Each call prefills a fresh cache, allocated before the
+    clock starts (as a server's is, ahead of its requests). `times`: TTFT ms of each timed
+    call; `out`: the last call's output, when keep_output."""
+
+    def __init__(self, runner, tokens, prefill, *, keep_output=True):
+        self.runner, self.tokens, self.prefill = runner, tokens, prefill
+        self.keep_output = keep_output
+        self.programs = runner.compile_prefill(len(tokens), **prefill.kwargs())
+        # The cache's fill programs and the first token's row compile here, not while timed.
+        jax.block_until_ready(runner.new_cache(prefill.capacity))
+        if prefill.logits_from is not None:
+            rows = len(tokens) - prefill.logits_from
+            placed = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if runner.mesh is None
+                      else jax.sharding.NamedSharding(runner.mesh, jax.sharding.PartitionSpec()))
+            _last_row.lower(jax.ShapeDtypeStruct((rows, runner.config.vocab_size), jnp.float32,
+                                                 sharding=placed)).compile()
         self.times, self.out = [], None
 
     def time_once(self):
         self.out = None  # the previous pass's cache is freed before the next one
+        cache = jax.block_until_ready(self.runner.new_cache(self.prefill.capacity))
         t0 = time.perf_counter()
-        out = self.runner.prefill(self.tokens, **self.args)
-        last = out[0][-1] if self.logits_from is not None else out[0]
+        out = self.runner.prefill(self.tokens, cache=cache, **self.prefill.kwargs())
+        last = _last_row(out[0]) if self.prefill.logits_from is not None else out[0]
         int(np.argmax(np.asarray(last)))
         self.times.append(1000 * (time.perf_counter() - t0))
-        self.out = out
+        self.out = out if self.keep_output else None
 
     def stats(self):
         return {"median": statistics.median(self.times), "min": min(self.times),
@@ -79,38 +94,6 @@ def time_interleaved(timers, repetitions):
     for _ in range(repetitions):
         for timer in timers:
             timer.time_once()
-
-
-def window_config(config, top_k):
-    """`config` with indexer="window" reading `top_k` tokens per query: the selection-free
-    baselines of the split."""
-    return config.replace(attention="sparse", indexer="window", flat_index_layers=(),
-                          top_k=top_k)
-
-
-def baseline_keys(config, sparse):
-    """The window baselines a mode's split needs, as (top_k, prefill_chunk): what a
-    baseline's cost depends on."""
-    keys = [(1, config.prefill_chunk)]
-    if sparse:
-        keys.insert(0, (config.top_k, config.prefill_chunk))
-    return keys
-
-
-def baseline_timer(model, config, tokens, run, top_k):
-    runner = ModelRunner(with_config(model, window_config(config, top_k)))
-    return TimedPrefill(runner, tokens, capacity=len(tokens) + run.decode_steps + 1)
-
-
-def mode_timer(model, spec, tokens, run):
-    """A compiled TimedPrefill of mode `spec` (a ModeSpec) -> (config, TimedPrefill)."""
-    config = spec.model_config(model.config)
-    L, P = len(tokens), run.fidelity_positions
-    capture = ("indexer", "indices") if spec.sparse else ()
-    timer = TimedPrefill(ModelRunner(with_config(model, config)), tokens,
-                         capacity=L + run.decode_steps + 1, logits_from=L - P,
-                         capture=capture, capture_from=L - P)
-    return config, timer
 
 
 def finish_mode(spec, config, timer, run, baselines, *, keep_cache=False):
@@ -127,7 +110,7 @@ def finish_mode(spec, config, timer, run, baselines, *, keep_cache=False):
     timer.out = None
 
     decode_ms = None
-    if run.decode_steps:  # greedy steps after the prompt; one untimed step compiles
+    if run.decode_steps:  # greedy steps after the prompt (compiled before; one untimed)
         token, position, times = int(np.argmax(tail_logprobs[-1])), L, []
         for step in range(run.decode_steps + 1):
             t0 = time.perf_counter()
@@ -138,7 +121,7 @@ def finish_mode(spec, config, timer, run, baselines, *, keep_cache=False):
             position += 1
         decode_ms = {"median": statistics.median(times), "min": min(times), "max": max(times)}
 
-    keys = baseline_keys(config, spec.sparse)
+    keys = plan.baseline_keys(config, spec.sparse)
     other_ms = min(baselines[keys[-1]].times)
     window_ms = min(baselines[keys[0]].times) if spec.sparse else ttft["min"]
     indexer_ms = ttft["min"] - window_ms

@@ -1,5 +1,6 @@
 """The TTFT study: every mode at every length, then the comparisons and the summary."""
 
+import dataclasses
 import platform
 import time
 
@@ -7,33 +8,37 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments.common import display_path
+from experiments.common import CompileCounter, display_path
 from experiments.data import Corpus, eval_sequence
 from experiments.evaluation.metrics import pair_metrics
+from experiments.ttft import plan
 from experiments.ttft.measure import (
-    baseline_keys,
-    baseline_timer,
+    TimedPrefill,
     finish_mode,
-    mode_timer,
     selection_overlap,
     time_interleaved,
 )
 from model import (
+    ModelRunner,
     Transformer,
     default_checkpoint_dir,
     get_config,
     has_checkpoint,
     length_bucket,
     load_default_model,
+    with_config,
 )
 from model.checkpoint import read_config
 from model.config import keep_layers
 
 METHOD = {
     "ttft": "prefill start to the first token on the host (last logits ready, argmax), after "
-            "a compile-only warm-up; every mode and baseline of a length timed interleaved "
-            "(each repetition runs each once); min and median over the repetitions, ratios "
-            "and the split from the min",
+            "a compile-only warm-up (every program compiled once, before its first length "
+            "is timed: the compiles while timed are counted, 0); every prefill into a fresh "
+            "cache of the study's one capacity (the longest length and its decode steps), "
+            "allocated before the clock starts; every mode and baseline of a length timed "
+            "interleaved (each repetition runs each once); min and median over the "
+            "repetitions, ratios and the split from the min",
     "split": "TTFT differences of the same model (mins), baselines measured once per length: "
              "indexer = TTFT - TTFT with indexer='window' (each query reads the top_k tokens "
              "before it: the same attention, no selection scoring); attention = that window "
@@ -49,12 +54,17 @@ METHOD = {
 
 
 def preset_config(source, capacity):
-    """The ModelConfig of a preset source (model.preset, its layers, its overrides) holding
-    contexts of `capacity` tokens. ValueError naming a bad field or layer."""
+    """The ModelConfig of a preset source (model.preset, its layers, its overrides: a
+    section such as moe or hierarchical given as a mapping changes only the fields it
+    names) holding contexts of `capacity` tokens. ValueError naming a bad field or layer."""
     preset = get_config(source.preset)
     if source.layers is not None:
         preset = keep_layers(preset, source.layers)
     overrides = dict(source.overrides)
+    for key, value in overrides.items():  # a section's fields change, the rest are kept
+        section = getattr(preset, key, None)
+        if isinstance(value, dict) and dataclasses.is_dataclass(section):
+            overrides[key] = section.replace(**value)
     overrides.setdefault("max_seq_len", max(length_bucket(capacity), preset.max_seq_len))
     return preset.replace(**overrides)
 
@@ -92,6 +102,24 @@ def load_source(source, capacity):
                                                                         0.05)))
     return (model, f"checkpoint {name} (step {step}; text: held-out standard-library sources)",
             False, corpus.heldout_tokens)
+
+
+def source_config(source, capacity):
+    """(ModelConfig, description) of a run's model, as load_source would make it, without
+    making its weights (--compile-only); a pretrained source is loaded (its config comes
+    with its weights)."""
+    if source.random_weights:
+        return preset_config(source, capacity), f"preset {source.preset}, no weights"
+    if source.pretrained is not None:
+        model, description, _, _ = load_source(source, capacity)
+        return model.config, description
+    directory = source.checkpoint or default_checkpoint_dir()
+    if not has_checkpoint(directory):
+        load_default_model(directory)  # raises CheckpointMissingError, naming the fix
+    stored, _ = read_config(directory)
+    overrides = {"max_seq_len": max(length_bucket(capacity), stored.max_seq_len),
+                 **source.overrides}
+    return stored.replace(**overrides), f"checkpoint {source.checkpoint or 'checkpoints/small'}"
 
 
 def _skipped(length, spec, reason):
@@ -146,32 +174,40 @@ def summary(run, rows):
             "decode_step_ratio": decode}
 
 
-def _time_length(run, model, tokens, *, progress, log):
-    """Compiles every mode of one length and the baselines of their split, times them
-    interleaved, finishes each -> (ModeRuns by name, every mode's row, reference first)."""
-    length, timers, skipped = len(tokens), {}, {}
-    order = sorted(run.modes, key=lambda m: m.name != run.reference)  # reference first
-    for spec in order:
-        if spec.max_length is not None and length > spec.max_length:
-            skipped[spec.name] = _skipped(length, spec, f"max_length {spec.max_length}")
-            continue
+def _time_length(run, model, tokens, compiles, *, progress, log):
+    """Compiles every program of one length not compiled before (plan.plan_length: every
+    mode and the baselines of their split, their decode steps), times them interleaved,
+    finishes each -> (ModeRuns by name, every mode's row, reference first, the compile
+    counts)."""
+    length, timers, runners = len(tokens), {}, {}
+    planned = plan.plan_length(run, model.config, length)
+    skipped = {name: _skipped(length, run.mode(name), why)
+               for name, why in planned.skipped.items()}
+    for name, (spec, prefill) in planned.modes.items():
         if progress:
-            progress(f"{length} tokens, {spec.name}: compiling")
+            progress(f"{length} tokens, {name}: compiling")
         try:
-            timers[spec.name] = (spec, *mode_timer(model, spec, tokens, run))
+            runner = ModelRunner(with_config(model, prefill.config))
+            timers[name] = (spec, prefill.config, TimedPrefill(runner, tokens, prefill))
+            if run.decode_steps:
+                runner.compile_decode(planned.decode, prefill.capacity)
         except Exception as e:  # noqa: BLE001 - a run that does not fit is reported
             if not _out_of_memory(e):
                 raise
-            skipped[spec.name] = _skipped(length, spec, f"out of memory: {str(e)[:200]}")
-            log(f"{length:>7} {spec.name:<22} skipped: out of memory")
+            skipped[name] = _skipped(length, spec, f"out of memory: {str(e)[:200]}")
+            log(f"{length:>7} {name:<22} skipped: out of memory")
     baselines = {}
-    for spec, config, _ in timers.values():
-        for key in baseline_keys(config, spec.sparse):
-            if key not in baselines:
-                if progress:
-                    progress(f"{length} tokens, window baseline (top_k {key[0]}): compiling",
-                             advance=False)
-                baselines[key] = baseline_timer(model, config, tokens, run, key[0])
+    for key, prefill in plan.plan_length(run, model.config, length, modes=timers).baselines \
+            .items():
+        if progress:
+            progress(f"{length} tokens, window baseline (top_k {key[0]}): compiling",
+                     advance=False)
+        runner = runners.setdefault(prefill.config,
+                                    ModelRunner(with_config(model, prefill.config)))
+        baselines[key] = TimedPrefill(runner, tokens, prefill, keep_output=False)
+    counts = {"programs": sum(t.programs for _, _, t in timers.values())
+              + sum(t.programs for t in baselines.values()),
+              "compiles_before_timing": compiles.take()}
     if progress:
         progress(f"{length} tokens: {len(timers)} modes + {len(baselines)} baselines x "
                  f"{run.repetitions}, interleaved", advance=False)
@@ -179,6 +215,11 @@ def _time_length(run, model, tokens, *, progress, log):
     time_interleaved([t for _, _, t in timers.values()] + list(baselines.values()),
                      run.repetitions)
     wall = time.perf_counter() - t0
+    counts["compiles_while_timed"] = compiles.take()
+    log(f"{length:>7} XLA compiles: {counts['compiles_before_timing']} before timing (of "
+        f"the length's {counts['programs']} prefill programs, those no shorter length "
+        f"compiled; its decode steps; its caches'), {counts['compiles_while_timed']} while "
+        f"timed")
     runs = {}
     for name, (spec, config, timer) in timers.items():
         if progress:
@@ -190,20 +231,30 @@ def _time_length(run, model, tokens, *, progress, log):
         t = row["ttft_ms"]
         log(f"{length:>7} {spec.name:<22} TTFT min {t['min']:9.1f} ms, median "
             f"{t['median']:9.1f} ms (indexer share {row['indexer_share']:.2f})")
-    return runs, [skipped[m.name] if m.name in skipped else runs[m.name].row for m in order]
+    order = sorted(run.modes, key=lambda m: m.name != run.reference)
+    rows = [skipped[m.name] if m.name in skipped else runs[m.name].row for m in order]
+    return runs, rows, counts
 
 
 def run_study(run, model, heldout_tokens, *, random_weights, progress=None, log=print):
     """-> (rows, summary). progress(description, advance=True) is called before each step;
-    log(line) after each measured (length, mode)."""
-    rows = []
+    log(line) after each measured (length, mode). The summary's "compiles" counts XLA's
+    compiles per length (before timing, while timed: 0) and in all (the persistent
+    compilation cache's hits are not compiles)."""
+    rows, compiles, counts = [], CompileCounter(), {}
     for length in run.lengths:
         tokens = eval_sequence(heldout_tokens, length)
-        runs, length_rows = _time_length(run, model, tokens, progress=progress, log=log)
+        runs, length_rows, counts[length] = _time_length(run, model, tokens, compiles,
+                                                         progress=progress, log=log)
         compare(run, runs, model.config, random_weights)
+        counts[length]["compiles_fidelity_and_decode"] = compiles.take()
         rows += length_rows
         del runs
-    return rows, summary(run, rows)
+    result = summary(run, rows)
+    result["compiles"] = {"per_length": {str(L): c for L, c in counts.items()},
+                          "total": sum(v for c in counts.values() for k, v in c.items()
+                                       if k.startswith("compiles"))}
+    return rows, result
 
 
 def environment():

@@ -23,15 +23,21 @@ def test_gpu_ttft_measures_with_every_step_compiled_before_timing(tmp_path):
     assert len(payload["rows"][-1]["decode_ms"]["hierarchical"]) == 2
 
 
-def test_step_shapes_share_executables_across_lengths():
+def test_distinct_steps_share_executables_across_lengths():
+    from flax import nnx
+
+    from model import ModelRunner, Transformer
     from model.config import get_config
 
     config = get_config("small").replace(max_seq_len=8192, prefill_chunk=1024)
-    one = gpu_ttft.step_shapes(config, [8192], 8192, 2, 64, ("indices",))
-    both = gpu_ttft.step_shapes(config, [4096, 8192], 8192, 2, 64, ("indices",))
+    runner = ModelRunner(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    common = ["--model", "small", "--decode-steps", "2", "--fidelity-positions", "64"]
+    one = gpu_ttft.distinct_steps(runner, gpu_ttft.parse_args([*common, "--lengths", "8192"]))
+    both = gpu_ttft.distinct_steps(runner, gpu_ttft.parse_args([*common, "--lengths",
+                                                                "4096,8192"]))
     # The shorter prefill adds only its captured last chunk.
     assert len(both) == len(one) + 1 and set(one) <= set(both)
-    assert (1, 8192, ()) in one  # the decode step
+    assert (1, 8192, False, ()) in one  # the decode step
 
 
 def test_gpu_run_keeps_each_step_record(tmp_path, monkeypatch):

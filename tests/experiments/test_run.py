@@ -8,9 +8,10 @@ import pytest
 import yaml
 
 from experiments import run as main_job
+from experiments.ttft import plan
 from experiments.ttft.config import RunConfig, load_run_config
 
-TINY = {"model": {"checkpoint": None}, "lengths": [320],
+TINY = {"model": {"checkpoint": None}, "lengths": [256, 320],
         "modes": [{"name": "sparse-flat", "attention": "sparse", "indexer": "flat"},
                   {"name": "sparse-hierarchical", "attention": "sparse",
                    "indexer": "hierarchical"},
@@ -39,7 +40,11 @@ def test_results_json_schema(tiny_results):
     assert set(results) >= {"config", "env", "runs", "summary"}
     assert set(results["env"]) >= {"jax", "backend", "device"}
     assert [(r["context_len"], r["mode"]) for r in results["runs"]] == [
-        (320, "sparse-flat"), (320, "sparse-hierarchical"), (320, "dense")]
+        (L, m) for L in (256, 320) for m in ("sparse-flat", "sparse-hierarchical", "dense")]
+    # Every program compiled before its length was timed; the longer length compiled only
+    # what the shorter did not (its captured last chunks and their logits rows).
+    compiles = results["summary"]["compiles"]["per_length"]
+    assert [c["compiles_while_timed"] for c in compiles.values()] == [0, 0]
     for r in results["runs"]:
         assert RUN_KEYS <= set(r)
         assert set(r["ttft_ms"]) >= {"median", "min", "max"} and len(r["ttft_ms"]["runs"]) == 2
@@ -49,7 +54,7 @@ def test_results_json_schema(tiny_results):
         # of the fastest run (the modes were timed interleaved, the split is from the mins)
         assert parts == pytest.approx(r["ttft_ms"]["min"])
         assert r["indexer_share"] == pytest.approx(r["indexer_ms"] / r["ttft_ms"]["min"])
-    flat, hier, dense = results["runs"]
+    flat, hier, dense = results["runs"][3:]
     assert flat["recall"] is None and flat["top1_agreement"] is None  # the reference itself
     assert 0 < hier["recall"] <= 1 and 0 < hier["iou"] <= hier["recall"]
     assert 0 <= hier["top1_agreement"] <= 1 and hier["logit_kl"] >= 0
@@ -61,6 +66,55 @@ def test_results_json_schema(tiny_results):
     assert s["ttft_ratio_median"] == pytest.approx(hier["ttft_ms"]["median"]
                                                    / flat["ttft_ms"]["median"])
     assert s["recall"] == hier["recall"] and s["indexer_share_flat"] == flat["indexer_share"]
+
+
+def test_plan_shares_programs_across_lengths():
+    """One cache capacity for the study: a shorter length's chunks are the longer one's
+    first, so the longer adds only the chunks that read past the shorter or carry its
+    logits and captures."""
+    from model import get_config
+    from model.runner import step_key
+
+    run = RunConfig.from_dict({**TINY, "lengths": [2048, 4096]})
+    config = get_config("tiny").replace(max_seq_len=8192, prefill_chunk=512)
+    runners, keys = {}, []
+    for length in run.lengths:
+        planned = plan.plan_length(run, config, length)
+        assert all(p.capacity == 4096 + 3 for p in planned.prefills())
+        keys.append({(p.config, step_key(s)) for p in planned.prefills()
+                     for s in runners.setdefault(p.config, plan.abstract_runner(p.config))
+                     .prefill_steps(p.n, **p.kwargs())})
+    shorter, longer = keys
+    new = longer - shorter
+    assert new and all(key[1][1] > 2048 or key[1][2] or key[1][3] for key in new)
+    assert len(shorter & longer) >= len(shorter) // 2
+
+
+def test_rehearse_compiles_each_program_once(monkeypatch):
+    """--compile-only's rehearsal, with this CPU standing in for the GPU target: every
+    program of every length compiled once; a program a longer length reuses lists both."""
+    import time
+
+    from model import get_config
+
+    class CpuTarget:
+        name, memory_bytes = "cpu", 1 << 34
+
+        def compile(self, lower):
+            t0 = time.perf_counter()
+            return lower(lambda args: args).compile(), time.perf_counter() - t0
+
+    run = RunConfig.from_dict({**TINY, "lengths": [256, 320], "decode_steps": 1})
+    config = get_config("tiny").replace(max_seq_len=512, prefill_chunk=128)
+    report = plan.rehearse(run, config, CpuTarget(), log=lambda line: None)
+    rows, summary = report["executables"], report["summary"]
+    keys = [(r["program"], r["step"], r["rows"], r["kv_len"], r["all_logits"],
+             tuple(r["capture"])) for r in rows]
+    assert len(keys) == len(set(keys)) == summary["executables"]
+    assert any(r["lengths"] == [256, 320] for r in rows)  # reused by the longer length
+    assert {r["program"] for r in rows} == {"sparse-flat", "sparse-hierarchical", "dense",
+                                            f"window top_k {config.top_k}", "window top_k 1"}
+    assert all(0 < r["peak_bytes"] <= r["held_bytes"] for r in rows) and summary["fits"]
 
 
 @pytest.mark.slow
@@ -126,6 +180,13 @@ def test_h200_config_is_v32_shaped_with_four_layers():
     assert moe.attn.kv_a.kernel.shape == (7168, 512 + 64)
     assert moe.indexer.wq.kernel.shape == (1536, 64 * 128)  # wq_b, from the q-LoRA residual
     assert config.dtype == "bfloat16" and config.top_k == 2048
+    plan.plan_length(run, config, max(run.lengths))  # its caches fit max_seq_len
+    with pytest.raises(ValueError, match="max_seq_len=131072: raise max_seq_len"):
+        plan.plan_length(run, config.replace(max_seq_len=131072), max(run.lengths))
+    # run_h100.yaml: the same slice, its moe section changed only in fp8_block.
+    h100 = load_run_config(pathlib.Path(main_job.DEFAULT_CONFIG).parent / "run_h100.yaml")
+    fp8 = preset_config(h100.model, max(h100.lengths) + h100.decode_steps + 1)
+    assert fp8 == config.replace(moe=config.moe.replace(fp8_block=(128, 128)))
     with pytest.raises(ValueError, match="layers must be None unless model.preset is set"):
         RunConfig.from_dict({"model": {"layers": [0]}})
     with pytest.raises(ValueError, match="layers must be a non-empty list of layer indices"):
