@@ -9,7 +9,8 @@ import typing
 import yaml
 
 from indexer.config import FrozenConfig
-from model.config import PRESETS, ModelConfig
+from model.config import ModelConfig
+from model.presets import PRESETS
 
 MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig))
 

@@ -2,7 +2,7 @@
 values, turned into ModelConfigs by the same mapping that reads a checkpoint folder
 (model.pretrained.mla_moe.dsa_config), for shape checks, cost estimates and random-weight
 timing runs. The dicts are JAX-free; `dsa_preset` imports the loader (and with it JAX) on
-first use only, so model.config stays importable before JAX starts.
+first use only, so model.presets stays importable before JAX starts.
 
 Where the values come from:
 - DeepSeek-V3.2 (the published config.json values as issue #23 lists them, also

@@ -54,9 +54,10 @@ from experiments.gpu_targets import TARGETS, gpu_target, peak_bytes  # noqa: E40
 from model import ModelRunner, Transformer  # noqa: E402
 from model.buckets import Chunk  # noqa: E402
 from model.cache import init_cache  # noqa: E402
-from model.config import get_config, keep_layers  # noqa: E402
+from model.config import keep_layers  # noqa: E402
 from model.costs import prefill_counts  # noqa: E402
 from model.moe import MoE, route  # noqa: E402
+from model.presets import get_config  # noqa: E402
 from pallas_kernels.grouped_matmul import rows_per_tile, tile_work  # noqa: E402
 
 NAME = "gpu_compile"

@@ -34,9 +34,10 @@ from experiments.benchmarks.gpu_compile import FP8_BLOCK, abstract_model  # noqa
 from experiments.common import add_out_argument, recorded_command, write_json  # noqa: E402
 from experiments.gpu_targets import TARGETS, gpu_target, peak_bytes  # noqa: E402
 from model import ModelRunner  # noqa: E402
-from model.config import get_config, keep_layers  # noqa: E402
+from model.config import keep_layers  # noqa: E402
 from model.memory import memory_per_device  # noqa: E402
 from model.parallel_flags import parse_mesh  # noqa: E402
+from model.presets import get_config  # noqa: E402
 from model.sharding import check_mesh, make_mesh  # noqa: E402
 
 NAME = "gpu_mesh"

@@ -40,7 +40,8 @@ from flax import nnx
 
 from experiments.common import CompileCounter, add_out_argument, recorded_command, write_json
 from model import ModelRunner, Transformer, with_config
-from model.config import get_config, keep_layers
+from model.config import keep_layers
+from model.presets import get_config
 from model.runner import step_key
 
 NAME = "gpu_ttft"

@@ -56,7 +56,7 @@ from experiments.evaluation.probe import (
 from experiments.evaluation.report import probe_text, to_markdown
 from model import ModelRunner, Transformer, with_config
 from model.checkpoint import default_checkpoint_dir, load_default_model
-from model.config import get_config
+from model.presets import get_config
 from model.tokenizer import BOS
 
 METHODS = ("dense", "sparse_flat", "sparse_hier")

@@ -35,7 +35,7 @@ from experiments.schema import (
 )
 from experiments.training import steps as ts
 from model.checkpoint import has_checkpoint, read_config
-from model.config import get_config
+from model.presets import get_config
 
 __all__ = ["ConfigError", "ModelSection", "apply_overrides", "load_config"]
 

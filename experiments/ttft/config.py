@@ -20,7 +20,8 @@ import dataclasses
 from experiments.schema import ConfigError, ConfigSection, check_bool, check_int, fail, read_yaml
 from indexer.config import HierarchicalConfig
 from indexer.selection import selection_names
-from model.config import ATTENTION_KINDS, PRESETS, ModelConfig
+from model.config import ATTENTION_KINDS, ModelConfig
+from model.presets import PRESETS
 
 MODEL_FIELDS = {f.name for f in dataclasses.fields(ModelConfig)}
 

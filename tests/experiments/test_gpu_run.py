@@ -27,7 +27,7 @@ def test_distinct_steps_share_executables_across_lengths():
     from flax import nnx
 
     from model import ModelRunner, Transformer
-    from model.config import get_config
+    from model.presets import get_config
 
     config = get_config("small").replace(max_seq_len=8192, prefill_chunk=1024)
     runner = ModelRunner(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
