@@ -78,9 +78,8 @@ class Attention(nnx.Module):
     """Grouped-query attention's projections + RoPE (the model's own and Llama-family
     checkpoints); the attention itself is one of two pure functions over the (keys, values)
     this module reads from the cache. model/mla.py is the other attention kind, with the
-    same four members: project, read, output, scale."""
-
-    CACHE_FIELDS = ("k", "v")  # model.cache.FIELDS: what a GQA layer caches
+    same four members: project, read, output, scale; what each caches and how it is placed
+    and counted is its entry in model.attention_kinds."""
 
     def __init__(self, config, *, rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         c = config

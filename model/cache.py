@@ -1,84 +1,62 @@
-"""A layer's cache, owned here: which arrays it holds (FIELDS), their creation, the writes of a
+"""A layer's cache, owned here: which arrays it holds (`field`), their creation, the writes of a
 step, prefix copies in and out (serving's prefix/index cache), sharding specs and bytes per
 token. The runner, the engine, the prefix cache and the sharding rules go through these
 functions and name no field.
 
-Every field is one entry of FIELDS: its part ("kv": main attention; "index": the lightning
-indexer's keys and their block summaries), the attention kind it belongs to ("gqa": K and
-V; "mla": the latent; None: any), its unit (one row per position, or one per key block of
-`block_size` positions), trailing shape and dtype from the ModelConfig, logical axes
-(model.sharding) and the value an empty row holds. A layer holds the kv fields of its
-attention kind, and the index fields unless its indexer_types entry is "shared" (it runs no
-indexer). Adding a field is one entry here, plus the module that writes it (the attention
-kind's `project` returns its rows by name).
+Every field is a model.cache_field.CacheField: its part ("kv": main attention; "index": the
+lightning indexer's keys and their block summaries), its unit (positions per row: one row
+per token, one per key block of `block_size` positions, or one per whatever ModelConfig
+field it names), trailing shape and dtype from the ModelConfig, logical axes
+(model.sharding) and the value an empty row holds. The index fields are INDEX_FIELDS here;
+the kv fields are each attention kind's own (model.attention_kinds); `field(name)` finds
+either. A layer holds the kv fields of its attention kind, and the index fields unless its
+indexer_types entry is "shared" (it runs no indexer). Adding a field is one entry here or in
+its attention kind's, plus the module that writes it (the kind's `project` returns its rows
+by name).
 """
-
-import dataclasses
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from indexer.block_summaries import SUMMARY_LAYOUT, BlockSummaryCache, num_blocks
+from indexer.block_summaries import SUMMARY_LAYOUT, BlockSummaryCache
 from indexer.block_summaries import append as append_summaries
+from model.attention_kinds import ATTENTION_KINDS, attention_kind
+from model.cache_field import PARTS, CacheField, model_dtype
 from model.sharding import check_capacity, logical_to_spec, named
 
-PARTS = ("kv", "index")
+BLOCK = "hierarchical.block_size"  # a row per key block (CacheField.positions_per_row)
 
-
-@dataclasses.dataclass(frozen=True)
-class CacheField:
-    """part: "kv" | "index"; unit: "token" | "block"; shape: config -> trailing dims;
-    dtype: config -> dtype name; axes: logical axes of every dim, rows first; fill: an
-    empty row's value; attention: the attention kind that holds it (None: every kind)."""
-
-    part: str
-    unit: str
-    shape: Callable
-    dtype: Callable
-    axes: tuple
-    fill: float = 0.0
-    attention: str | None = None
-
-
-def _model_dtype(config):
-    return config.dtype
-
-
-FIELDS = {
-    "k": CacheField("kv", "token", lambda c: (c.n_kv_heads, c.head_dim), _model_dtype,
-                    ("cache_seq", "kv_heads", "head_dim"), attention="gqa"),
-    "v": CacheField("kv", "token", lambda c: (c.n_kv_heads, c.head_dim), _model_dtype,
-                    ("cache_seq", "kv_heads", "head_dim"), attention="gqa"),
-    # MLA: [c | k_rope] per token, one head shared by every attention head (model/mla.py).
-    "kv_latent": CacheField("kv", "token", lambda c: (c.mla.latent_dim,), _model_dtype,
-                            ("cache_seq", "latent"), attention="mla"),
-    "k_index": CacheField("index", "token", lambda c: (c.index_dim,), _model_dtype,
+INDEX_FIELDS = {
+    "k_index": CacheField("index", lambda c: (c.index_dim,), model_dtype,
                           ("index_cache_seq", "index_dim")),
-    **{name: CacheField("index", "block",
-                        (lambda c: (c.index_dim,)) if per_dim else (lambda c: ()),
+    **{name: CacheField("index", (lambda c: (c.index_dim,)) if per_dim else (lambda c: ()),
                         lambda c, dtype=dtype: dtype,
-                        ("blocks", "index_dim") if per_dim else ("blocks",), fill)
+                        ("blocks", "index_dim") if per_dim else ("blocks",), fill, BLOCK)
        for name, (dtype, per_dim, fill) in SUMMARY_LAYOUT.items()},
 }
 
 
-def attention_kind(config):
-    """"mla" or "gqa": the attention kind of the model's layers."""
-    return "gqa" if config.mla is None else "mla"
+def field(name):
+    """The CacheField `name`: an index field, or a kv field of an attention kind."""
+    if name in INDEX_FIELDS:
+        return INDEX_FIELDS[name]
+    for kind in ATTENTION_KINDS.values():
+        if name in kind.cache_fields:
+            return kind.cache_fields[name]
+    raise KeyError(f"no cache field {name!r}")
 
 
 def layer_fields(config, layer):
-    """The fields layer `layer` holds, in FIELDS order."""
-    shared, kind = config.layer_is_shared(layer), attention_kind(config)
-    return tuple(name for name, f in FIELDS.items()
-                 if f.attention in (None, kind) and not (shared and f.part == "index"))
+    """The fields layer `layer` holds: its attention kind's, then the index fields unless
+    the layer is shared."""
+    shared = config.layer_is_shared(layer)
+    return (*attention_kind(config).cache_fields, *(() if shared else INDEX_FIELDS))
 
 
 @jax.tree_util.register_pytree_with_keys_class
 class LayerCache:
-    """One layer's cache: named arrays (FIELDS), read as attributes (cache.k, cache.k_index).
+    """One layer's cache: named arrays (`field`), read as attributes (cache.k, cache.k_index).
     A pytree (jit, donation, tree.map, shardings); pure updates return a new one."""
 
     __slots__ = ("fields",)
@@ -133,22 +111,21 @@ class LayerCache:
         return cls(dict(zip(names, values)))
 
 
-def _rows(name, length, block_size):
+def _rows(name, length, config):
     """Rows of field `name` that hold the first `length` positions."""
-    return length if FIELDS[name].unit == "token" else num_blocks(length, block_size)
+    return field(name).rows(length, config)
 
 
 # ------------------------------------------------------------------ creation
 
 def init_cache(config, capacity):
     """Empty caches for every layer, `capacity` positions long."""
-    B = config.hierarchical.block_size
     out = []
     for layer in range(config.n_layers):
         fields = {}
         for name in layer_fields(config, layer):
-            f = FIELDS[name]
-            fields[name] = jnp.full((_rows(name, capacity, B), *f.shape(config)), f.fill,
+            f = field(name)
+            fields[name] = jnp.full((_rows(name, capacity, config), *f.shape(config)), f.fill,
                                     jnp.dtype(f.dtype(config)))
         out.append(LayerCache(fields))
     return out
@@ -156,7 +133,7 @@ def init_cache(config, capacity):
 
 def cache_capacity(cache, *, batched=False):
     """Positions a cache (a list of LayerCache; batched: a leading slot axis) holds."""
-    name = next(n for n in cache[0].names if FIELDS[n].unit == "token")
+    name = next(n for n in cache[0].names if field(n).per_token)
     return int(cache[0].fields[name].shape[1 if batched else 0])
 
 
@@ -185,11 +162,11 @@ def write_index(cache, k_index, start, *, block_size, n_valid=None):
 
 def field_spec(name, *, batched=False):
     """The PartitionSpec of field `name` (model.sharding's rules over its logical axes)."""
-    return logical_to_spec((("batch",) if batched else ()) + FIELDS[name].axes)
+    return logical_to_spec((("batch",) if batched else ()) + field(name).axes)
 
 
 def cache_specs(cache, *, batched=False):
-    """PartitionSpecs of a list of LayerCache (batched: a leading "batch" axis), by FIELDS'
+    """PartitionSpecs of a list of LayerCache (batched: a leading "batch" axis), by the fields'
     logical axes through model.sharding's rules."""
     return [LayerCache({name: field_spec(name, batched=batched) for name in c.names})
             for c in cache]
@@ -216,15 +193,14 @@ def init_sharded_cache(config, capacity, mesh):
 
 def layer_bytes_per_token(config, layer=0):
     """Bytes per cached token of layer `layer`: {"kv", "index_keys", "block_summaries"}
-    (block-unit fields divided by block_size)."""
+    (a field of several positions per row divided by them)."""
     out = {"kv": 0, "index_keys": 0, "block_summaries": 0.0}
-    B = config.hierarchical.block_size
     for name in layer_fields(config, layer):
-        f = FIELDS[name]
+        f = field(name)
         row = int(np.prod(f.shape(config), dtype=np.int64)) * jnp.dtype(f.dtype(config)).itemsize
-        group = "kv" if f.part == "kv" else "index_keys" if f.unit == "token" else \
+        group = "kv" if f.part == "kv" else "index_keys" if f.per_token else \
             "block_summaries"
-        out[group] += row if f.unit == "token" else row / B
+        out[group] += row if f.per_token else row / f.stride(config)
     return out
 
 
@@ -236,10 +212,10 @@ def bytes_per_token(config):
 
 # ------------------------------------------------------------------ prefix copies
 
-def take_prefix(cache, length, block_size):
+def take_prefix(cache, length, config):
     """The rows of the first `length` positions (static) of every field: a list over layers
-    of {field: array} (a "prefix"; jit-able)."""
-    return [{name: array[:_rows(name, length, block_size)] for name, array in c.fields.items()}
+    of {field: array} (a "prefix"; jit-able with length and config static)."""
+    return [{name: array[:_rows(name, length, config)] for name, array in c.fields.items()}
             for c in cache]
 
 
@@ -249,15 +225,17 @@ def put_prefix(cache, prefix):
         c.fields[name].dtype)) for name, rows in p.items()}) for c, p in zip(cache, prefix)]
 
 
-def slice_prefix(prefix, start, stop, block_size):
-    """Positions [start, stop) of a host prefix (both multiples of block_size) as copies."""
-    if start % block_size or stop % block_size:
-        raise ValueError(f"slice_prefix: positions [{start}, {stop}) must be multiples of the "
-                         f"block size {block_size}")
+def slice_prefix(prefix, start, stop, config):
+    """Positions [start, stop) of a host prefix (both multiples of every field's positions
+    per row) as copies."""
+    for name in prefix[0]:
+        stride = field(name).stride(config)
+        if start % stride or stop % stride:
+            raise ValueError(f"slice_prefix: positions [{start}, {stop}) must be multiples of "
+                             f"{stride}, the positions per row of cache field {name!r}")
     out = []
     for p in prefix:
-        out.append({name: np.array(rows[_rows(name, start, block_size):
-                                        _rows(name, stop, block_size)])
+        out.append({name: np.array(rows[_rows(name, start, config):_rows(name, stop, config)])
                     for name, rows in p.items()})
     return out
 
@@ -268,7 +246,7 @@ def join_prefix(pieces):
              for name in pieces[0][layer]} for layer in range(len(pieces[0]))]
 
 
-def pad_prefix(prefix, length, block_size):
+def pad_prefix(prefix, length, config):
     """A host prefix padded to `length` positions, padding rows holding each field's empty
     value (padded positions are overwritten by the prefill before anything reads them)."""
     out = []
@@ -276,8 +254,8 @@ def pad_prefix(prefix, length, block_size):
         layer = {}
         for name, rows in p.items():
             pad = [(0, 0)] * rows.ndim
-            pad[0] = (0, _rows(name, length, block_size) - rows.shape[0])
-            layer[name] = np.pad(rows, pad, constant_values=FIELDS[name].fill)
+            pad[0] = (0, _rows(name, length, config) - rows.shape[0])
+            layer[name] = np.pad(rows, pad, constant_values=field(name).fill)
         out.append(layer)
     return out
 
@@ -287,7 +265,7 @@ def prefix_bytes(prefix):
     out = dict.fromkeys(PARTS, 0)
     for p in prefix:
         for name, rows in p.items():
-            out[FIELDS[name].part] += rows.nbytes
+            out[field(name).part] += rows.nbytes
     return out
 
 
@@ -295,8 +273,8 @@ def prefix_specs(prefix, sequence_shards):
     """PartitionSpecs to place a host prefix as the cache it goes into: per-token fields by
     their logical axes when the sequence shards divide their rows, the rest replicated."""
     def spec(name, rows):
-        f = FIELDS[name]
-        if f.unit == "token" and rows.shape[0] % sequence_shards == 0:
+        f = field(name)
+        if f.per_token and rows.shape[0] % sequence_shards == 0:
             return logical_to_spec(f.axes)
         return logical_to_spec((None,) * rows.ndim)
 

@@ -17,6 +17,7 @@ import math
 
 from indexer.costs import F32, Op, OpList, Selection, memory_op, visible_keys
 from indexer.selection import selection_kind
+from model.attention_kinds import attention_kind
 from model.buckets import chunk_plan, length_bucket
 from model.cache import bytes_per_token, layer_bytes_per_token
 
@@ -40,7 +41,10 @@ class AttentionShape:
     by attention (2 x head_dim for separate K and V; MLA's shared latent once). params: the
     attention projections' parameter count per layer. expand_params: parameters applied to
     every read cache row before attending (MLA's kv_b in the expanded form; 0: none).
-    cache_row: values cached per token (None: kv_heads x kv_row)."""
+    cache_row: values cached per token (None: kv_heads x kv_row). rope: values RoPE reads
+    and writes per token (None: every query and key dim, 2 x heads x qk_dim + 2 x kv_heads
+    x kv_row). norm_params: the kind's own norms' parameters per layer (MLA's latent
+    RMSNorms)."""
 
     heads: int
     kv_heads: int
@@ -51,6 +55,8 @@ class AttentionShape:
     label: str
     expand_params: int = 0
     cache_row: int | None = None
+    rope: int | None = None
+    norm_params: int = 0
 
     @property
     def cached(self):
@@ -78,18 +84,25 @@ def mla_attention(config):
     kv_b = m.kv_lora_rank * H * (m.qk_nope_head_dim + m.v_head_dim)
     params = (c.d_model * m.q_lora_rank + m.q_lora_rank * H * m.qk_head_dim
               + c.d_model * lat + kv_b + H * m.v_head_dim * c.d_model)
+    # RoPE on the rotary dims of q and the shared key, and the two latent RMSNorms.
+    own = dict(rope=2 * (H + 1) * m.qk_rope_head_dim + 2 * (m.q_lora_rank + m.kv_lora_rank),
+               norm_params=m.q_lora_rank + m.kv_lora_rank)
     if m.absorb:
         return AttentionShape(H, 1, lat, m.kv_lora_rank, lat, params,
                               f"MLA absorbed (MQA over the latent), {H} heads, latent "
-                              f"{m.kv_lora_rank}+{m.qk_rope_head_dim}")
+                              f"{m.kv_lora_rank}+{m.qk_rope_head_dim}", **own)
     return AttentionShape(H, H, m.qk_head_dim, m.v_head_dim, m.qk_head_dim + m.v_head_dim,
                           params, f"MLA expanded, {H} heads x {m.qk_head_dim}",
-                          expand_params=kv_b, cache_row=lat)
+                          expand_params=kv_b, cache_row=lat, **own)
+
+
+# Each attention kind's cost entry (model.attention_kinds): config -> its AttentionShape.
+ATTENTION_COSTS = {"gqa": gqa_attention, "mla": mla_attention}
 
 
 def attention_shape(config):
-    """The config's own attention: GQA, or MLA when config.mla is set."""
-    return gqa_attention(config) if config.mla is None else mla_attention(config)
+    """The config's own attention, as its kind's cost entry counts it."""
+    return ATTENTION_COSTS[attention_kind(config).name](config)
 
 
 def model_selection(config, kind):
@@ -134,7 +147,7 @@ def indexer_params(config):
     """The indexer's projection parameters: wq (from the q-LoRA residual under MLA, as V3.2
     and GLM-5 run it: wq_b), wk and the head weights, all from x otherwise."""
     c = config
-    q_in = c.d_model if c.mla is None else c.mla.q_lora_rank
+    q_in = attention_kind(c).indexer_query_dim(c) or c.d_model
     return q_in * c.index_heads * c.index_dim + c.d_model * (c.index_dim + c.index_heads)
 
 
@@ -187,11 +200,7 @@ def other_layer_ops(config, a, T, b, *, indexer=True, moe=False):
     c = config
     idx_out = c.index_heads * c.index_dim + c.index_dim + c.index_heads if indexer else 0
     index_dim = c.index_dim if indexer else 0
-    if c.mla is None:
-        rope = 2 * a.heads * a.qk_dim + 2 * a.kv_heads * a.kv_row
-    else:  # the rotary dims of q and the shared key, and the two latent RMSNorms
-        m = c.mla
-        rope = 2 * (a.heads + 1) * m.qk_rope_head_dim + 2 * (m.q_lora_rank + m.kv_lora_rank)
+    rope = 2 * a.heads * a.qk_dim + 2 * a.kv_heads * a.kv_row if a.rope is None else a.rope
     elementwise = T * b * (2 * 2 * c.d_model  # two RMSNorms, read + write
                            + rope
                            + 2 * (c.index_heads + 2) * index_dim  # indexer RoPE, LayerNorm
@@ -278,9 +287,7 @@ def _layer_params(config, a, layer, *, active):
     """Parameters of layer `layer`: norms, attention, indexer, feed-forward (active: the
     routed experts one token runs, num_experts_per_tok of them, instead of all)."""
     c = config
-    n = 2 * c.d_model + a.params
-    if c.mla is not None:
-        n += c.mla.q_lora_rank + c.mla.kv_lora_rank  # the latents' RMSNorms
+    n = 2 * c.d_model + a.params + a.norm_params
     if not c.layer_is_shared(layer):
         n += indexer_params(c) + 2 * c.index_dim  # + the key LayerNorm's scale and bias
     if not c.layer_is_moe(layer):

@@ -30,8 +30,6 @@ class MLAttention(nnx.Module):
     (keys, values) this module reads from the cache (the members of model.attention's GQA
     Attention: project, read, output, scale)."""
 
-    CACHE_FIELDS = ("kv_latent",)  # model.cache.FIELDS: what an MLA layer caches
-
     def __init__(self, config, *, rngs, dtype=jnp.float32, param_dtype=jnp.float32):
         m = config.mla
         lin = dict(use_bias=False, kernel_init=nnx.initializers.lecun_normal(), dtype=dtype,

@@ -22,6 +22,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from model.attention_kinds import ATTENTION_KINDS
 from model.parallel_flags import MESH_AXES, distributed_settings, parse_mesh
 
 # Logical dimension name -> mesh axis (None: replicated).
@@ -50,11 +51,6 @@ LOGICAL_RULES = {
 # Parameter path (regex over "a/b/c") -> logical axes of the array (None: replicated,
 # any rank); first match wins.
 PARAM_RULES = (
-    # MLA (model/mla.py): the low-rank down-projections and the latent stay whole (one
-    # latent head serves every attention head); the up-projections split over heads.
-    (r"attn/(q_a|kv_a)/kernel$", ("embed", "latent")),
-    (r"attn/(q_a_norm|kv_a_norm)/scale$", ("latent",)),
-    (r"attn/(q_b|kv_b)/kernel$", ("latent", "heads")),
     # DeepSeekMoE (model/moe.py): the router whole; the routed experts split whole over
     # expert x tensor, the shared experts as a dense MLP.
     (r"mlp/(router|bias)$", None),
@@ -63,9 +59,6 @@ PARAM_RULES = (
     (r"mlp/(gate|up|down)_scale$", ("experts", None, None)),  # FP8 experts' block scales
     (r"mlp/shared/(gate|up)/kernel$", ("embed", "mlp")),
     (r"mlp/shared/down/kernel$", ("mlp", "embed")),
-    (r"attn/wq/kernel$", ("embed", "heads")),
-    (r"attn/w[kv]/kernel$", ("embed", "kv_heads")),
-    (r"attn/wo/kernel$", ("heads", "embed")),
     (r"mlp/(gate|up)/kernel$", ("embed", "mlp")),
     (r"mlp/down/kernel$", ("mlp", "embed")),
     (r"indexer/wq/kernel$", ("embed", "index_heads")),
@@ -162,7 +155,10 @@ def param_axes(path, ndim):
     """Logical axes of the parameter at `path` (a pytree key path); ValueError if no rule
     matches (every parameter must have one)."""
     name = _path_str(path)
-    for pattern, axes in PARAM_RULES:
+    # The attention kinds' own parameters first (model.attention_kinds: each names its
+    # axes), then the rest.
+    kinds = tuple(rule for kind in ATTENTION_KINDS.values() for rule in kind.param_axes)
+    for pattern, axes in kinds + PARAM_RULES:
         if re.search(pattern, name):
             if axes is None:
                 return (None,) * ndim
@@ -170,7 +166,8 @@ def param_axes(path, ndim):
                 raise ValueError(f"sharding rule {pattern!r} has {len(axes)} axes, parameter "
                                  f"{name} has {ndim} dimensions")
             return axes
-    raise ValueError(f"no sharding rule for parameter {name}; add one to PARAM_RULES")
+    raise ValueError(f"no sharding rule for parameter {name}; add one to PARAM_RULES (or "
+                     f"to its attention kind's param_axes)")
 
 
 def param_specs(state):
@@ -202,7 +199,7 @@ def put(tree, shardings):
 
 
 def shard_state(state, mesh):
-    """Model parameters (nnx.State) placed by PARAM_RULES on `mesh`."""
+    """Model parameters (nnx.State) placed by their rules (param_axes) on `mesh`."""
     return put(state, named(mesh, param_specs(state)))
 
 

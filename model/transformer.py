@@ -14,10 +14,10 @@ from flax import nnx
 import pallas_kernels
 from indexer.module import CoarseScreen, LightningIndexer
 from indexer.selection import selection_kind
-from model.attention import Attention, dense_causal_attention, select_tokens
+from model.attention import dense_causal_attention, select_tokens
+from model.attention_kinds import attention_kind
 from model.cache import init_cache, token_rows, write_index, write_rows
 from model.layers import RMSNorm, SwiGLU
-from model.mla import MLAttention
 from model.moe import MoE
 
 # What a pass can capture, per layer, for the T queries of the call:
@@ -80,19 +80,19 @@ class DecoderBlock(nnx.Module):
         self.config = config
         self.layer = layer  # index in the stack, for the config's per-layer switches
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        # The attention kind (GQA, or MLA for DeepSeek-style models): project / read /
-        # output / scale, over the cache fields it names (model.cache).
-        attention = Attention if config.mla is None else MLAttention
-        self.attn = attention(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        # The attention kind (model.attention_kinds: GQA, or MLA for DeepSeek-style models):
+        # project / read / output / scale, over the cache fields its entry names.
+        kind = attention_kind(config)
+        self.attn = kind.module(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         if config.layer_is_shared(layer):
             self.indexer = self.coarse_screen = None
         else:
-            # V3.2's indexer reads its queries from MLA's q-LoRA residual.
+            # The indexer's query input is the kind's (V3.2: MLA's q-LoRA residual).
             self.indexer = LightningIndexer(
                 config.d_model, config.index_heads, config.index_dim, config.index_rope_dim,
                 rope_theta=config.rope_theta, rope_scaling=config.indexer_rope_scaling,
                 dtype=dtype, param_dtype=param_dtype, rngs=rngs, yarn=config.yarn,
-                q_dim=None if config.mla is None else config.mla.q_lora_rank,
+                q_dim=kind.indexer_query_dim(config),
                 rope_interleaved=config.index_rope_interleaved)
             # The hierarchical indexer's learned coarse screen (HierarchicalConfig.coarse =
             # "learned"); in every full block, so run-time switches never change the graph.

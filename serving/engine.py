@@ -234,11 +234,11 @@ class Engine:
             return
         end = (missing[-1] + 1) * pc.block_tokens
         prefix = jax.device_get(self._take_prefix(
-            state.cache, min(self.capacity, length_bucket(end)), self.block_size))
+            state.cache, min(self.capacity, length_bucket(end)), self.config))
         blocks = {}
         for i in missing:
             piece = layer_cache.slice_prefix(prefix, i * pc.block_tokens,
-                                             (i + 1) * pc.block_tokens, self.block_size)
+                                             (i + 1) * pc.block_tokens, self.config)
             blocks[i] = Block(piece, layer_cache.prefix_bytes(piece))
         pc.insert(state.tokens, blocks)
 
@@ -246,7 +246,7 @@ class Engine:
         """A fresh cache holding the cached blocks' tokens at positions [0, len * P)."""
         n = len(blocks) * self.prefix_cache.block_tokens
         prefix = layer_cache.pad_prefix(layer_cache.join_prefix([b.prefix for b in blocks]),
-                                        min(self.capacity, length_bucket(n)), self.block_size)
+                                        min(self.capacity, length_bucket(n)), self.config)
         return self._with_prefix(self._commit_prefix(prefix))
 
     def _commit(self, tree):
@@ -342,7 +342,7 @@ class Engine:
             P = self.prefix_cache.block_tokens
             for padded in sorted({min(self.capacity, length_bucket(n))
                                   for n in range(P, max_len + 1, P)}):
-                prefix = self._take_prefix(scratch.cache, padded, self.block_size)
+                prefix = self._take_prefix(scratch.cache, padded, self.config)
                 self._with_prefix(self._commit_prefix(jax.device_get(prefix)))
         self.insert(0, scratch)
         return len(kv_buckets)

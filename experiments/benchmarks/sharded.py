@@ -57,7 +57,7 @@ from experiments.common import (  # noqa: E402
 from experiments.costmodel.sharding import hlo_collectives  # noqa: E402
 from model import ModelRunner, Transformer, get_config, tokenizer  # noqa: E402
 from model.buckets import chunk_plan, length_bucket  # noqa: E402
-from model.cache import FIELDS, cache_capacity, cache_specs  # noqa: E402
+from model.cache import cache_capacity, cache_specs, field  # noqa: E402
 from model.sharding import (  # noqa: E402
     axis_size,
     make_mesh,
@@ -134,8 +134,8 @@ def _greedy_decode(runner, logits, cache, position, steps):
 
 def cache_bytes(cache):
     """Bytes per device: the KV part of the cache (split) and the index part (indexer keys +
-    summaries, replicated; shared layers hold none), by model.cache.FIELDS' parts."""
-    parts = {part: [c.fields[n] for c in cache for n in c.names if FIELDS[n].part == part]
+    summaries, replicated; shared layers hold none), by their model.cache fields' parts."""
+    parts = {part: [c.fields[n] for c in cache for n in c.names if field(n).part == part]
              for part in ("kv", "index")}
     kv, rep = per_device_bytes(parts["kv"]), per_device_bytes(parts["index"])
     return {"kv_per_device": max(kv.values()), "kv_total": sum(a.nbytes for a in parts["kv"]),

@@ -1,0 +1,88 @@
+"""The attention kinds, one entry each (as indexer/selection.py holds the selection kinds):
+the module a layer of the kind builds, the ModelConfig section that selects it, the fields
+its layers cache, the width of the indexer's query input, and its parameters' logical axes.
+model.transformer builds the kind's module, model.cache allocates its fields, model.sharding
+places its parameters by these axes, and model.costs counts it by its entry in
+model.costs.ATTENTION_COSTS. A new kind is its module, its entry here and its cost entry.
+"""
+
+import dataclasses
+from collections.abc import Callable
+
+from model.attention import Attention
+from model.cache_field import CacheField, model_dtype
+from model.mla import MLAttention
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKind:
+    """name: the kind's name. module: its nnx.Module class, built as module(config, rngs=,
+    dtype=, param_dtype=), with members project, read, output and scale (model.attention).
+    section: the ModelConfig field whose value selects the kind (None: the default kind,
+    when no other kind's section is set). cache_fields: {name: CacheField} of the "kv" part
+    a layer of this kind caches (its module's `project` returns their rows by name).
+    indexer_query_dim: config -> the width of the indexer's query input the module hands
+    it (None: the hidden state, d_model). param_axes: (path regex, logical axes) of its
+    parameters, model.sharding's PARAM_RULES form."""
+
+    name: str
+    module: type
+    selects: Callable | None
+    cache_fields: dict
+    indexer_query_dim: Callable
+    param_axes: tuple
+
+
+ATTENTION_KINDS = {kind.name: kind for kind in (
+    AttentionKind(
+        "gqa", Attention, None,
+        {"k": CacheField("kv", lambda c: (c.n_kv_heads, c.head_dim), model_dtype,
+                         ("cache_seq", "kv_heads", "head_dim")),
+         "v": CacheField("kv", lambda c: (c.n_kv_heads, c.head_dim), model_dtype,
+                         ("cache_seq", "kv_heads", "head_dim"))},
+        lambda c: None,
+        ((r"attn/wq/kernel$", ("embed", "heads")),
+         (r"attn/w[kv]/kernel$", ("embed", "kv_heads")),
+         (r"attn/wo/kernel$", ("heads", "embed")))),
+    AttentionKind(
+        # MLA (model/mla.py): [c | k_rope] per token, one head shared by every attention
+        # head; V3.2's indexer reads its queries from the q-LoRA residual.
+        "mla", MLAttention, lambda c: c.mla is not None,
+        {"kv_latent": CacheField("kv", lambda c: (c.mla.latent_dim,), model_dtype,
+                                 ("cache_seq", "latent"))},
+        lambda c: c.mla.q_lora_rank,
+        # The low-rank down-projections and the latent stay whole (one latent head serves
+        # every attention head); the up-projections split over heads.
+        ((r"attn/(q_a|kv_a)/kernel$", ("embed", "latent")),
+         (r"attn/(q_a_norm|kv_a_norm)/scale$", ("latent",)),
+         (r"attn/(q_b|kv_b)/kernel$", ("latent", "heads")),
+         (r"attn/wo/kernel$", ("heads", "embed")))),
+)}
+
+
+def attention_kind(config):
+    """The AttentionKind of the model's layers: the one that selects the config, else the
+    default kind. ValueError when several select it."""
+    chosen = [k for k in ATTENTION_KINDS.values() if k.selects is not None and k.selects(config)]
+    if len(chosen) > 1:
+        raise ValueError(f"several attention kinds select this config: "
+                         f"{[k.name for k in chosen]}")
+    if chosen:
+        return chosen[0]
+    return next(k for k in ATTENTION_KINDS.values() if k.selects is None)
+
+
+def register_attention(kind):
+    """Adds (or replaces) an entry -> the entry it replaced, or None (for
+    unregister_attention)."""
+    previous = ATTENTION_KINDS.get(kind.name)
+    ATTENTION_KINDS[kind.name] = kind
+    return previous
+
+
+def unregister_attention(name, previous=None):
+    """Removes entry `name`, or puts back `previous` (what register_attention returned)."""
+    if previous is None:
+        ATTENTION_KINDS.pop(name, None)
+    else:
+        ATTENTION_KINDS[name] = previous

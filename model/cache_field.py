@@ -1,0 +1,43 @@
+"""What one cached array is (CacheField): the unit of model.cache's table of fields, and of
+the attention kinds' own entries (model.attention_kinds), kept apart from both so that
+each can name fields without importing the other."""
+
+import dataclasses
+import operator
+from collections.abc import Callable
+
+PARTS = ("kv", "index")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheField:
+    """part: "kv" | "index"; shape: config -> trailing dims; dtype: config -> dtype name;
+    axes: logical axes of every dim, rows first (model.sharding); fill: an empty row's
+    value. positions_per_row: the unit, as positions one row holds: 1 (a row per token), or
+    the dotted name of the ModelConfig field that says (e.g. "hierarchical.block_size": a
+    row per key block; a compressed cache names its compression ratio)."""
+
+    part: str
+    shape: Callable
+    dtype: Callable
+    axes: tuple
+    fill: float = 0.0
+    positions_per_row: int | str = 1
+
+    @property
+    def per_token(self):
+        return self.positions_per_row == 1
+
+    def stride(self, config):
+        """Positions one row holds, under `config`."""
+        if isinstance(self.positions_per_row, int):
+            return self.positions_per_row
+        return int(operator.attrgetter(self.positions_per_row)(config))
+
+    def rows(self, length, config):
+        """Rows that hold the first `length` positions."""
+        return -(-int(length) // self.stride(config))
+
+
+def model_dtype(config):
+    return config.dtype
