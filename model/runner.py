@@ -16,7 +16,7 @@ from model.buckets import chunk_plan, length_bucket
 from model.cache import cache_capacity, cache_shapes, init_cache, init_sharded_cache
 from model.sampling import sample_token, validate_sampling
 from model.sequence_parallel import SequenceParallel
-from model.transformer import check_capture
+from model.transformer import Transformer, check_capture
 
 
 def _constrain_tokens(mesh, tokens):
@@ -130,6 +130,12 @@ class ModelRunner:
         # placement: runners over models of one config share their compiled programs.
         self._static = dict(graphdef=self.graphdef, mesh=self.mesh, parallel=self.parallel)
 
+    @classmethod
+    def abstract(cls, config, *, mesh=None):
+        """A runner over a model of `config` whose parameters are shape structs (placed by
+        the sharding rules under `mesh`): its steps lower and compile without weights."""
+        return cls(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))), mesh=mesh)
+
     def _run_step(self, state, tokens, cache, start, kv_len, n_valid, all_logits, capture):
         return _step(state, tokens, cache, start, kv_len, n_valid, all_logits, capture,
                      **self._static)
@@ -149,8 +155,8 @@ class ModelRunner:
     def _plan(self, n, *, capacity=None, chunk=None, start=0, logits_from=None, capture=(),
               capture_from=None, cache_capacity=None):
         """(cache capacity, [(chunk, all_logits, capture kinds, logits rows (first, count) or
-        None)]) of a prefill of n tokens with these arguments (cache_capacity: an existing
-        cache's)."""
+        None, captured rows (a slice) or None)]) of a prefill of n tokens with these
+        arguments (cache_capacity: an existing cache's)."""
         chunk, capture, capture_from, logits_from = self._check(n, chunk, start, capture,
                                                                 capture_from, logits_from)
         cap = cache_capacity or length_bucket(capacity or (start + n))
@@ -158,41 +164,45 @@ class ModelRunner:
         for c in chunk_plan(n, start=start, capacity=cap, chunk=chunk):
             all_logits, kinds = self._chunk_outputs(c, logits_from, capture, capture_from)
             first = max(0, logits_from - c.position) if all_logits else 0
-            plan.append((c, all_logits, kinds, (first, c.length - first) if all_logits
-                         else None))
+            plan.append((c, all_logits, kinds,
+                         (first, c.length - first) if all_logits else None,
+                         slice(max(0, capture_from - c.position), c.length) if kinds else None))
         return cap, plan
+
+    def _steps(self, cap, plan):
+        """{step_key: lower_step's arguments} of a plan's distinct steps."""
+        cache = self.abstract_cache(cap)
+        steps = {}
+        for c, all_logits, kinds, _, _ in plan:
+            step = (jax.ShapeDtypeStruct((c.padded,), jnp.int32), cache, c.position, c.kv_len,
+                    c.length, all_logits, kinds)
+            steps.setdefault(step_key(step), step)
+        return steps
 
     def prefill_steps(self, n, **kwargs):
         """The distinct steps a prefill of n tokens with these arguments (prefill's) runs,
         each as lower_step's arguments (tokens and cache as shape structs)."""
-        cap, plan = self._plan(n, **kwargs)
-        cache = self.abstract_cache(cap)
-        steps = {}
-        for c, all_logits, kinds, _ in plan:
-            step = (jax.ShapeDtypeStruct((c.padded,), jnp.int32), cache, c.position, c.kv_len,
-                    c.length, all_logits, kinds)
-            steps.setdefault(step_key(step), step)
-        return list(steps.values())
+        return list(self._steps(*self._plan(n, **kwargs)).values())
 
     def compile_prefill(self, n, **kwargs):
         """Compiles, without running, every program a prefill of n tokens with these
         arguments (prefill's) runs: its distinct steps (prefill_steps) and the programs that
         gather its logits rows (a warm-up that costs compile time only) -> number of distinct
         steps."""
-        steps = self.prefill_steps(n, **kwargs)
+        cap, plan = self._plan(n, **kwargs)
+        steps = self._steps(cap, plan)
         logits = {}
-        for step in steps:
+        for step in steps.values():
             compiled = self.lower_step(*step).compile()
             if step[5]:  # all_logits: the step's logits, as its output gives them
                 out = compiled.out_info[0]
                 logits[step[0].shape[0]] = jax.ShapeDtypeStruct(
                     out.shape, out.dtype, sharding=compiled.output_shardings[0])
         pieces = []
-        for c, all_logits, _, rows in self._plan(n, **kwargs)[1]:
-            if all_logits:
-                piece = _rows.lower(logits[c.padded], rows[0], rows[1]).compile()
-                out = piece.out_info
-                pieces.append(jax.ShapeDtypeStruct(out.shape, out.dtype,
+        for c, _, _, rows, _ in plan:
+            if rows is not None:
+                piece = _rows.lower(logits[c.padded], *rows).compile()
+                pieces.append(jax.ShapeDtypeStruct(piece.out_info.shape, piece.out_info.dtype,
                                                    sharding=piece.output_shardings))
         if pieces:
             _concat.lower(pieces).compile()
@@ -281,9 +291,8 @@ class ModelRunner:
             raise ValueError(f"cache holds {cap} positions, prefill needs {start + n}")
         _, plan = self._plan(n, chunk=chunk, start=start, logits_from=logits_from,
                              capture=capture, capture_from=capture_from, cache_capacity=cap)
-        capture_from = start if capture_from is None else int(capture_from)
         logits, captured = [], []
-        for c, all_logits, kinds, rows in plan:
+        for c, all_logits, kinds, rows, kept in plan:
             padded = np.zeros(c.padded, np.int32)
             padded[:c.length] = tokens[c.offset:c.offset + c.length]
             out, cache, got = self._run_step(self.state, self._host(padded), cache, c.position,
@@ -293,7 +302,6 @@ class ModelRunner:
             elif logits_from is None:
                 logits = [out]
             if kinds:
-                kept = slice(max(0, capture_from - c.position), c.length)
                 captured.append(jax.tree.map(lambda a, kept=kept: np.asarray(a)[:, kept], got))
         logits = _concat(logits) if logits_from is not None else logits[0]
         if capture:

@@ -51,7 +51,7 @@ import pallas_kernels  # noqa: E402
 from experiments.benchmarks.hlo_report import DotFlops, largest_temporaries, temp_buffers  # noqa: E402
 from experiments.common import add_out_argument, recorded_command, write_json  # noqa: E402
 from experiments.gpu_targets import TARGETS, gpu_target, peak_bytes  # noqa: E402
-from model import ModelRunner, Transformer  # noqa: E402
+from model import ModelRunner  # noqa: E402
 from model.buckets import Chunk  # noqa: E402
 from model.cache import init_cache  # noqa: E402
 from model.config import keep_layers  # noqa: E402
@@ -91,11 +91,6 @@ def model_config(args, case):
     return config
 
 
-def abstract_model(config):
-    """A Transformer of `config` whose parameters are shape structs (no weights made)."""
-    return nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-
-
 def step_program(config, case, context, chunk):
     """(lower(place) -> jax Lowered, model.costs' chunk) of one step (GpuTarget.compile)."""
     if case.part == "moe":
@@ -105,7 +100,7 @@ def step_program(config, case, context, chunk):
         fn = jax.jit(lambda state, x: nnx.merge(graphdef, state)(x))
         args = (state, jax.ShapeDtypeStruct((chunk, config.d_model), dtype))
         return (lambda place: fn.trace(*place(args)).lower()), None
-    runner = ModelRunner(abstract_model(config))
+    runner = ModelRunner.abstract(config)
     cache = jax.eval_shape(lambda: init_cache(config, context))
     T = chunk if case.step == "prefill" else 1
     tokens = jax.ShapeDtypeStruct((T,), jnp.int32)

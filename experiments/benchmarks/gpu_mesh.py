@@ -30,7 +30,7 @@ import pathlib  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from experiments.benchmarks.gpu_compile import FP8_BLOCK, abstract_model  # noqa: E402
+from experiments.benchmarks.gpu_compile import FP8_BLOCK  # noqa: E402
 from experiments.common import add_out_argument, recorded_command, write_json  # noqa: E402
 from experiments.gpu_targets import TARGETS, gpu_target, peak_bytes  # noqa: E402
 from model import ModelRunner  # noqa: E402
@@ -63,7 +63,7 @@ def compile_steps(args):
     mesh = make_mesh(sizes, devices=target.devices)
     config = mesh_config(args)
     check_mesh(config, mesh)
-    runner = ModelRunner(abstract_model(config), mesh=mesh)  # shape structs, placed
+    runner = ModelRunner.abstract(config, mesh=mesh)  # shape structs, placed
     cache = runner.abstract_cache(args.context)
     predicted = memory_per_device(config, sizes, args.context)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

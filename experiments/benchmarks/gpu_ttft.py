@@ -109,7 +109,7 @@ def rehearse(args):
     rows = []
     for mode in MODES:
         config = base_config(args, experts).replace(indexer=mode)
-        runner = ModelRunner(nnx.eval_shape(lambda c=config: Transformer(c, rngs=nnx.Rngs(0))))
+        runner = ModelRunner.abstract(config)
         for key, step in sorted(distinct_steps(runner, args).items(),
                                 key=lambda kv: (kv[0][1], kv[0][0], kv[0][2:])):
             compiled, seconds = target.compile(

@@ -13,9 +13,8 @@ import dataclasses
 
 import jax
 import numpy as np
-from flax import nnx
 
-from model import ModelRunner, Transformer
+from model import ModelRunner
 from model.buckets import length_bucket
 from model.cache import init_cache
 from model.runner import step_key
@@ -106,11 +105,6 @@ def plan_length(run, base_config, length, modes=None):
     return LengthPlan(length, planned, baselines, skipped, decode)
 
 
-def abstract_runner(config):
-    """A ModelRunner over a model of `config` whose parameters are shape structs."""
-    return ModelRunner(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
-
-
 def cache_bytes(config, capacity):
     cache = jax.eval_shape(lambda: init_cache(config, capacity))
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(cache))
@@ -119,17 +113,20 @@ def cache_bytes(config, capacity):
 def rehearse(run, base_config, target, *, log=print):
     """Every program of the study compiled for `target` (a GpuTarget) here, each once ->
     {"executables": one row each, "summary": count, compile seconds, peaks}. A row's peak
-    is the program's (arguments, temporaries, outputs); `held` adds what the study keeps
-    on the device beside it at that length: the other modes' last caches (kept for their
-    decode steps) and the reference's cache copy (kept for the comparisons)."""
+    is the program's (arguments, temporaries, outputs, its own cache among them); `held`
+    adds what the study keeps on the device beside it at its first length: the other
+    modes' last caches (kept for their decode steps) and the reference's cache copy (kept
+    for the comparisons)."""
     from experiments.gpu_targets import peak_bytes
 
     runners, rows, seen = {}, [], {}
     capacity = study_capacity(run)
     for length in run.lengths:
         plan = plan_length(run, base_config, length)
-        caches = [cache_bytes(p.config, capacity) for _, p in plan.modes.values()]
-        held = sum(caches) + (caches[0] if run.reference in plan.modes else 0)
+        # While a prefill runs, each other mode holds its last cache (for its decode steps)
+        # and the reference its copy (for the comparisons); a baseline keeps nothing.
+        caches = {name: cache_bytes(p.config, capacity) for name, (_, p) in plan.modes.items()}
+        copy = caches.get(run.reference, 0)
         steps = [(p, "prefill", s) for p in plan.prefills()
                  for s in _runner(runners, p.config).prefill_steps(p.n, **p.kwargs())]
         steps += [(p, "decode", s) for _, p in plan.modes.values()
@@ -144,6 +141,7 @@ def rehearse(run, base_config, target, *, log=print):
                 lambda place, runner=runner, step=step: runner.lower_step(*step, place=place))
             rows_, kv_len, all_logits, capture = key[1]
             peak = peak_bytes(compiled)
+            held = sum(caches.values()) - caches.get(prefill.label, 0) + copy
             row = {"program": prefill.label, "step": kind, "lengths": [length],
                    "rows": rows_, "kv_len": kv_len, "all_logits": all_logits,
                    "capture": list(capture), "compile_s": round(seconds, 2),
@@ -168,5 +166,5 @@ def rehearse(run, base_config, target, *, log=print):
 
 def _runner(runners, config):
     if config not in runners:
-        runners[config] = abstract_runner(config)
+        runners[config] = ModelRunner.abstract(config)
     return runners[config]

@@ -179,7 +179,7 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
     mode and the baselines of their split, their decode steps), times them interleaved,
     finishes each -> (ModeRuns by name, every mode's row, reference first, the compile
     counts)."""
-    length, timers, runners = len(tokens), {}, {}
+    length, timers = len(tokens), {}
     planned = plan.plan_length(run, model.config, length)
     skipped = {name: _skipped(length, run.mode(name), why)
                for name, why in planned.skipped.items()}
@@ -202,8 +202,7 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
         if progress:
             progress(f"{length} tokens, window baseline (top_k {key[0]}): compiling",
                      advance=False)
-        runner = runners.setdefault(prefill.config,
-                                    ModelRunner(with_config(model, prefill.config)))
+        runner = ModelRunner(with_config(model, prefill.config))
         baselines[key] = TimedPrefill(runner, tokens, prefill, keep_output=False)
     counts = {"programs": sum(t.programs for _, _, t in timers.values())
               + sum(t.programs for t in baselines.values()),

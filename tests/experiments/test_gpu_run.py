@@ -24,13 +24,12 @@ def test_gpu_ttft_measures_with_every_step_compiled_before_timing(tmp_path):
 
 
 def test_distinct_steps_share_executables_across_lengths():
-    from flax import nnx
 
-    from model import ModelRunner, Transformer
+    from model import ModelRunner
     from model.presets import get_config
 
     config = get_config("small").replace(max_seq_len=8192, prefill_chunk=1024)
-    runner = ModelRunner(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
+    runner = ModelRunner.abstract(config)
     common = ["--model", "small", "--decode-steps", "2", "--fidelity-positions", "64"]
     one = gpu_ttft.distinct_steps(runner, gpu_ttft.parse_args([*common, "--lengths", "8192"]))
     both = gpu_ttft.distinct_steps(runner, gpu_ttft.parse_args([*common, "--lengths",

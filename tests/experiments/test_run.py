@@ -72,7 +72,7 @@ def test_plan_shares_programs_across_lengths():
     """One cache capacity for the study: a shorter length's chunks are the longer one's
     first, so the longer adds only the chunks that read past the shorter or carry its
     logits and captures."""
-    from model import get_config
+    from model import ModelRunner, get_config
     from model.runner import step_key
 
     run = RunConfig.from_dict({**TINY, "lengths": [2048, 4096]})
@@ -82,7 +82,7 @@ def test_plan_shares_programs_across_lengths():
         planned = plan.plan_length(run, config, length)
         assert all(p.capacity == 4096 + 3 for p in planned.prefills())
         keys.append({(p.config, step_key(s)) for p in planned.prefills()
-                     for s in runners.setdefault(p.config, plan.abstract_runner(p.config))
+                     for s in runners.setdefault(p.config, ModelRunner.abstract(p.config))
                      .prefill_steps(p.n, **p.kwargs())})
     shorter, longer = keys
     new = longer - shorter
