@@ -74,7 +74,15 @@ def attention_kind(config):
 
 def register_attention(kind):
     """Adds (or replaces) an entry -> the entry it replaced, or None (for
-    unregister_attention)."""
+    unregister_attention). For kinds defined outside this package (tests, experiments).
+    ValueError when another kind already declares one of its cache fields."""
+    if not isinstance(kind, AttentionKind):
+        raise TypeError(f"register_attention takes an AttentionKind, got {type(kind).__name__}")
+    clash = sorted({name for other in ATTENTION_KINDS.values() if other.name != kind.name
+                    for name in other.cache_fields} & set(kind.cache_fields))
+    if clash:
+        raise ValueError(f"attention kind {kind.name!r}: cache fields {clash} belong to "
+                         f"another kind")
     previous = ATTENTION_KINDS.get(kind.name)
     ATTENTION_KINDS[kind.name] = kind
     return previous
