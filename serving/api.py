@@ -109,6 +109,10 @@ class Generation:
                     self.finish_reason = "stop"
                     return
             elif event.kind == "done":
+                if self.ttft is None and self.request.first_token_time is not None:
+                    # The first token was a stop token: the answer was ready then all the same.
+                    self.ttft = self.request.first_token_time - self.arrival
+                    self.metrics.observe_ttft(self.ttft, len(self.request.prompt))
                 rest = self.text.flush()
                 if rest:
                     yield rest

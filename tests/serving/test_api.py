@@ -100,6 +100,21 @@ def test_metrics_names_and_ttft_counts_the_request(client):
     assert 0.0 < share < 1.0
 
 
+def test_ttft_counts_a_request_whose_first_token_is_a_stop_token(server, client, monkeypatch):
+    # Every token stops: the answer (empty, finish_reason "stop") is ready at the first token.
+    tokenizer = server.service.loaded.tokenizer
+    monkeypatch.setattr(tokenizer, "stop_ids", frozenset(range(tokenizer.vocab_size)))
+    count = "dosa_time_to_first_token_seconds_count"
+    labels = dict(model_version=MODEL, indexer="flat", context_bucket="256")
+    before = metric_value(httpx.get(f"{client.base_url}/metrics").text, count, **labels)
+    r = client.post("/v1/completions", json=dict(prompt="stop at once", max_tokens=4))
+    assert r.status_code == 200
+    body = r.json()
+    assert body["choices"][0]["finish_reason"] == "stop" and body["choices"][0]["text"] == ""
+    text = httpx.get(f"{client.base_url}/metrics").text
+    assert metric_value(text, count, **labels) == before + 1
+
+
 def test_predict_returns_a_greedy_answer_and_its_ttft(client):
     r = client.post("/predict", json=dict(context="some context", query="a question?",
                                           max_tokens=5))
