@@ -24,6 +24,31 @@ FAST_RANKING_ROUNDS = 20
 STREAMING_KEY_TILE = 32768
 
 
+@dataclasses.dataclass(frozen=True)
+class Offered:
+    """Marks a selection settings field that serving (a config key of the same name in any
+    case, and `python -m serving --<name>`) and the CLIs offer.
+
+    name: the switch's name there (None: the field's own; e.g. HierarchicalConfig's
+      coarse_keep_ratio is offered as the reference's COARSE_THRESHOLD). clears: fields
+      this one replaces (set to None with it: two spellings of one budget; setting both is
+      an error). ge, gt, le: the switch's bounds; choices: its allowed values. Serving
+      checks the switch alone with them (the settings class checks the whole, at load)."""
+
+    name: str | None = None
+    clears: tuple = ()
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    choices: tuple | None = None
+
+
+def offered(default, **how):
+    """A dataclass field of a selection settings class that serving and the CLIs offer
+    (Offered's keywords)."""
+    return dataclasses.field(default=default, metadata={"offered": Offered(**how)})
+
+
 class FrozenConfig:
     """Shared behaviour of dosa's frozen, validated config dataclasses: `replace`, a plain
     `to_dict`, and `from_dict`, which rejects unknown keys by name with the allowed ones and
@@ -112,9 +137,10 @@ class HierarchicalConfig(FrozenConfig):
     """
 
     block_size: int = 64
-    candidate_tokens: int | None = 1408
-    coarse_keep_ratio: float | None = None
-    fine_batch_size: int = 128
+    candidate_tokens: int | None = offered(1408, ge=1, clears=("coarse_keep_ratio",))
+    coarse_keep_ratio: float | None = offered(None, name="coarse_threshold", gt=0.0, le=1.0,
+                                              clears=("candidate_tokens",))
+    fine_batch_size: int = offered(128, ge=1)
     sink_blocks: int = 1
     local_blocks: int = 1
     coarse_heads: int | None = None
@@ -126,8 +152,8 @@ class HierarchicalConfig(FrozenConfig):
     fast_ranking: bool = True
     exact: bool = False
     refine_blocks: int = 32
-    coarse: str = "mean"
-    coarse_mass: float | None = None
+    coarse: str = offered("mean", choices=COARSE_KINDS)
+    coarse_mass: float | None = offered(None, gt=0.0, le=1.0)
     coarse_temperature: float | None = None
     mass_buckets: tuple[float, ...] = (0.25, 0.5, 1.0)
 

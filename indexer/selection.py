@@ -37,7 +37,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 
-from indexer.config import HierarchicalConfig
+from indexer.config import HierarchicalConfig, Offered
 from indexer.costs import flat_ops, hierarchical_ops, oracle_ops, streaming_ops, window_ops
 
 
@@ -58,7 +58,9 @@ class SelectionKind:
     description: one line for errors and docs.
     costs: (indexer.costs.Selection, T, p0, kv_len, skip) -> [indexer.costs.Op], the work
       of one call (the FLOP estimate of serving's metrics and the cost model).
-    config: the config class whose knobs it reads (None: it has none).
+    config: its settings class, a frozen dataclass (None: it has none). ModelConfig holds
+      one instance per kind and hands each layer its own (ModelConfig.layer_settings); the
+      fields marked with indexer.config.offered are serving's and the CLIs' switches.
     served: whether `python -m serving` offers it (baselines that only measure are not).
     query_tile: (config, T) -> queries that must stay together on one shard.
     scores: "indexer" (the lightning indexer's inputs) or "attention" (the layer's dense
@@ -122,6 +124,60 @@ def selection_kind(name, *, what="indexer", served=False):
     if not isinstance(name, str) or name not in allowed:
         raise ValueError(f"{what} must be one of {allowed}, got {name!r}")
     return SELECTIONS[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class OfferedSetting:
+    """A switch serving and the CLIs offer: field `field` of kind `kind`'s settings, under
+    `name`; `type` the field's annotation, `how` its indexer.config.Offered mark."""
+
+    name: str
+    kind: str
+    field: str
+    type: object
+    how: Offered
+
+
+def offered_settings():
+    """{switch name: OfferedSetting} over the served kinds' settings classes, in table and
+    field order. ValueError when two kinds offer one name."""
+    out = {}
+    for kind in SELECTIONS.values():
+        if kind.config is None or not kind.served:
+            continue
+        for f in dataclasses.fields(kind.config):
+            how = f.metadata.get("offered")
+            if how is None:
+                continue
+            name = how.name or f.name
+            if name in out:
+                raise ValueError(f"selection kinds {out[name].kind!r} and {kind.name!r} both "
+                                 f"offer a switch named {name!r}")
+            out[name] = OfferedSetting(name, kind.name, f.name, f.type, how)
+    return out
+
+
+def settings_overrides(values):
+    """{switch name: value} (None values skipped) -> {kind name: {settings field: value}},
+    the fields each switch clears set to None. ValueError naming an unknown switch, or two
+    switches one clears."""
+    offered = offered_settings()
+    out, given = {}, {}
+    for name, value in values.items():
+        if value is None:
+            continue
+        if name not in offered:
+            raise ValueError(f"unknown selection switch {name!r}; offered: {sorted(offered)}")
+        setting = offered[name]
+        fields = out.setdefault(setting.kind, {})
+        for cleared in setting.how.clears:
+            other = given.get((setting.kind, cleared))
+            if other is not None:
+                raise ValueError(f"set at most one of {other} and {name}, got both")
+            fields[cleared] = None
+        fields[setting.field] = value
+        given[(setting.kind, setting.field)] = name
+    return out
 
 
 def register_selection(kind):

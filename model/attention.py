@@ -64,13 +64,13 @@ def select_tokens(config, layer, q_index, w_index, k_index, *, q_offset, summari
                   screen=None):
     """Layer `layer`'s top_k selection for queries at q_offset.. -> i32[T, top_k] (-1 padded):
     the selection kind config.layer_indexer(layer) names (indexer.selection), with the
-    layer's HierarchicalConfig (config.layer_hierarchical). k_index: [L, d_I], the
+    layer's settings (config.layer_settings). k_index: [L, d_I], the
     indexer-key cache up to a length bucket (positions past the queries are masked by
     causality); summaries: the cache's BlockSummaryCache of k_index; screen: the layer's
     trained coarse screen (indexer.ScreenParams) or None."""
     kind = selection_kind(config.layer_indexer(layer), what="ModelConfig.indexer")
     return kind.function(q_index, w_index, k_index, config.top_k, q_offset=q_offset,
-                         config=config.layer_hierarchical(config.selection_source(layer)),
+                         config=config.layer_settings(layer),
                          summaries=summaries, screen=screen)
 
 

@@ -141,6 +141,7 @@ class ModelConfig(FrozenConfig):
     dtype: str = "float32"
     param_dtype: str = "float32"
     hierarchical: HierarchicalConfig = HierarchicalConfig()
+    selection_settings: tuple = ()
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
     yarn: YarnConfig | None = None
@@ -157,6 +158,8 @@ class ModelConfig(FrozenConfig):
                 raise ValueError(f"ModelConfig.{name} must be a {kind.__name__} or a dict"
                                  f"{', or None' if optional else ''}, got "
                                  f"{type(value).__name__}")
+        object.__setattr__(self, "selection_settings",
+                           _normalize_settings(self.selection_settings))
         positive = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                     "d_ff", "max_seq_len", "index_heads", "index_dim", "top_k", "prefill_chunk")
         for name in positive:
@@ -280,8 +283,64 @@ class ModelConfig(FrozenConfig):
         return self.hierarchical.replace(candidate_tokens=self.layer_candidate_tokens[layer],
                                          coarse_keep_ratio=None)
 
+    def settings(self, kind):
+        """Selection kind `kind`'s settings (an instance of its SelectionKind.config; None
+        when it has none): ModelConfig's field of the kind's name where there is one
+        (`hierarchical`, as stored configs spell it), else its entry in
+        selection_settings, else the class's defaults."""
+        settings_class = selection_kind(kind, what="ModelConfig.indexer").config
+        if settings_class is None:
+            return None
+        if kind in _FIELD_NAMES:
+            return getattr(self, kind)
+        return dict(self.selection_settings).get(kind) or settings_class()
+
+    def with_settings(self, kind, **changes):
+        """This config with `changes` to selection kind `kind`'s settings."""
+        new = self.settings(kind).replace(**changes)
+        if kind in _FIELD_NAMES:
+            return self.replace(**{kind: new})
+        return self.replace(selection_settings={**dict(self.selection_settings), kind: new})
+
+    def layer_settings(self, layer):
+        """The settings layer `layer`'s selection runs (those of config.layer_indexer(layer);
+        a hierarchical layer's carry its own candidate budget when layer_candidate_tokens
+        names one; None for a kind without settings)."""
+        kind = self.layer_indexer(layer)
+        if kind == "hierarchical":
+            return self.layer_hierarchical(self.selection_source(layer))
+        return self.settings(kind)
+
     def to_json(self):
         return json.dumps(self.to_dict(), sort_keys=True)
+
+
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(ModelConfig))
+
+
+def _normalize_settings(value):
+    """ModelConfig.selection_settings ({kind: settings or dict}, or its pairs) -> sorted,
+    hashable (kind, settings) pairs; ValueError naming a kind without settings."""
+    where = "ModelConfig.selection_settings"
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = dict((k, v) for k, v in items)
+    except (TypeError, ValueError):
+        raise ValueError(f"{where} must map selection kinds to their settings, got "
+                         f"{value!r}") from None
+    out = []
+    for kind, settings in sorted(pairs.items()):
+        settings_class = selection_kind(kind, what=f"{where}: a key").config
+        if settings_class is None or kind in _FIELD_NAMES:
+            raise ValueError(f"{where}: {kind!r} has " + (
+                "no settings" if settings_class is None else f"its own field, `{kind}`"))
+        if isinstance(settings, dict):
+            settings = settings_class.from_dict(settings)
+        if not isinstance(settings, settings_class):
+            raise ValueError(f"{where}[{kind!r}] must be a {settings_class.__name__} or a dict, "
+                             f"got {type(settings).__name__}")
+        out.append((kind, settings))
+    return tuple(out)
 
 
 def keep_layers(config, layers):

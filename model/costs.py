@@ -107,7 +107,7 @@ def attention_shape(config):
 
 def model_selection(config, kind):
     return Selection(kind, config.index_heads, config.index_dim, config.top_k, itemsize(config),
-                     config.hierarchical)
+                     config.settings(kind))
 
 
 def selection_ops(s, T, p0, kv_len, skip):

@@ -146,7 +146,7 @@ class SequenceParallel:
         T = q_index.shape[0]
         S, seq = self.shards, self.sequence_axis
         kind = selection_kind(config.layer_indexer(layer))
-        tile = kind.query_tile(config.layer_hierarchical(config.selection_source(layer)), T)
+        tile = kind.query_tile(config.layer_settings(layer), T)
         split, piece = query_split(T, S, tile)
         groups = tuple(g for g in (summaries, screen) if g is not None)
 

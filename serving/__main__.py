@@ -20,7 +20,8 @@ import pathlib
 import sys
 
 from model.parallel_flags import add_parallel_arguments, distributed_settings, parse_mesh
-from serving.config import DEFAULT_CONFIG, load_config
+from indexer.selection import offered_settings
+from serving.config import DEFAULT_CONFIG, base_type, load_config
 
 
 def parse_args(argv):
@@ -35,8 +36,22 @@ def parse_args(argv):
     parser.add_argument("--fp8-experts", action="store_true", default=None,
                         help="an FP8 DeepSeek-V3.2 / GLM-5 folder: keep its routed experts in "
                              "FP8 (the config's fp8_experts)")
+    parser.add_argument("--indexer", help="the selection kind served (the config's indexer)")
+    parser.add_argument("--top-k", type=int, help="tokens each query attends to")
+    for setting in offered_settings().values():
+        parser.add_argument(f"--{setting.name.replace('_', '-')}", dest=f"switch_{setting.name}",
+                            type=base_type(setting.type), metavar=setting.name.upper(),
+                            help=f"the {setting.kind} selection's {setting.field} (the "
+                                 f"config's {setting.name})")
     add_parallel_arguments(parser)
     return parser.parse_args(argv)
+
+
+def switch_overrides(args):
+    """The selection switches given on the command line, as load_config overrides."""
+    out = {"indexer": args.indexer, "top_k": args.top_k}
+    out.update({name: getattr(args, f"switch_{name}", None) for name in offered_settings()})
+    return out
 
 
 def check_parallel_flags(args):
@@ -66,7 +81,8 @@ def main(argv=None):
     try:
         config = load_config(args.config, model=args.model, port=args.port, host=args.host,
                              max_context=args.max_context, fp8_experts=args.fp8_experts,
-                             api_key=args.api_key or os.environ.get("DOSA_API_KEY") or None)
+                             api_key=args.api_key or os.environ.get("DOSA_API_KEY") or None,
+                             **switch_overrides(args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,50 +1,286 @@
-"""The serving configuration: one frozen, validated dataclass read from YAML.
+"""The serving configuration: pydantic models read from YAML.
 
 Keys are case-insensitive, so the reference deployment's spellings (COARSE_THRESHOLD,
-FINE_BATCH_SIZE, CACHE_SIZE, GPU_UTILIZATION, TOP_K, ...) load as they are. This module
-imports no JAX: `python -m serving` reads it before JAX starts (GPU_UTILIZATION must be in
-the environment by then).
+FINE_BATCH_SIZE, CACHE_SIZE, GPU_UTILIZATION, TOP_K, ...) load as they are. The selection
+switches are one model (`SelectionSwitches`) that ServingConfig and a canary's CanaryConfig
+both extend; besides its four fields, each switch a selection kind's settings class offers
+(indexer.config.offered: HierarchicalConfig's candidate_tokens, coarse_threshold,
+fine_batch_size, coarse, coarse_mass) is a key of the same name. A bad value raises
+ValueError naming the key and its allowed range. This module imports no JAX: `python -m
+serving` reads it before JAX starts (GPU_UTILIZATION must be in the environment by then).
 """
 
-import dataclasses
 import pathlib
+from typing import Annotated, Any, ClassVar
 
+import pydantic
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
-from indexer.config import COARSE_KINDS, FrozenConfig
-from indexer.selection import selection_names
+from indexer.selection import offered_settings, selection_names, settings_overrides
 from model.config import ATTENTION_KINDS, normalize_indexer_types
 
 DEFAULT_CONFIG = pathlib.Path(__file__).resolve().parent / "configs" / "default.yaml"
 # shadow_rate when the config leaves it null and the deployed selection is not flat.
 DEFAULT_SHADOW_RATE = 0.1
-# The model switches a canary may set (the rest of the canary block: CanaryConfig).
-SELECTION_SWITCHES = ("attention", "indexer", "top_k", "indexer_types", "coarse_threshold",
-                      "candidate_tokens", "coarse", "coarse_mass", "fine_batch_size")
+_BIG = 1 << 40
+_WHERE = "serving config: "
 
 
-@dataclasses.dataclass(frozen=True)
-class ServingConfig(FrozenConfig):
-    """What `python -m serving` runs. None for a model switch keeps the model's own value.
+class _Allowed:
+    """Annotated metadata: what a field allows, as its error message says it."""
+
+    def __init__(self, text):
+        self.text = text
+
+
+class _FieldError(ValueError):
+    """A value a model validator rejects: field `name` (relative to the model) allows
+    `allowed`, got `value`."""
+
+    def __init__(self, name, allowed, value):
+        super().__init__(f"{name} must be {allowed}, got {value!r}")
+        self.name, self.allowed, self.value = name, allowed, value
+
+
+def _range(lo, hi, lo_open):
+    return f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+
+
+def _int(lo, hi=_BIG, *, optional=False):
+    allowed = f"{'null or ' if optional else ''}an integer in [{lo}, {hi}]"
+    kind = Annotated[int, Strict(), Field(ge=lo, le=hi)]
+    return Annotated[kind | None if optional else kind, _Allowed(allowed)]
+
+
+def _number(lo, hi, *, lo_open=False, optional=False):
+    allowed = f"{'null or ' if optional else ''}a number in {_range(lo, hi, lo_open)}"
+    bounds = Field(gt=lo, le=hi) if lo_open else Field(ge=lo, le=hi)
+    kind = Annotated[float, Strict(), bounds]
+    return Annotated[kind | None if optional else kind, _Allowed(allowed)]
+
+
+def _text(*, optional=False):
+    kind = Annotated[str, Strict(), Field(min_length=1)]
+    return Annotated[kind | None if optional else kind,
+                     _Allowed(f"{'null or ' if optional else ''}a non-empty string")]
+
+
+_Flag = Annotated[bool, Strict(), _Allowed("true or false")]
+
+
+def _offered_allowed(setting):
+    """What an offered switch allows (always null too: null keeps the model's value)."""
+    how, base = setting.how, base_type(setting.type)
+    if how.choices is not None:
+        return f"null or one of {tuple(how.choices)}"
+    lo = how.gt if how.gt is not None else how.ge
+    hi = how.le if how.le is not None else _BIG
+    if base is int:
+        return f"null or an integer in [{lo if lo is not None else -_BIG}, {hi}]"
+    if base is float:
+        return f"null or a number in {_range(lo, hi, how.gt is not None)}"
+    return f"null or a {getattr(base, '__name__', base)}"
+
+
+def base_type(annotation):
+    """The type of an annotation, without None (int | None -> int)."""
+    args = [a for a in getattr(annotation, "__args__", ()) if a is not type(None)]
+    return args[0] if args else annotation
+
+
+def _check_offered(setting, value):
+    how, base = setting.how, base_type(setting.type)
+    if how.choices is not None:
+        ok = value in how.choices
+    elif base in (int, float):
+        ok = not isinstance(value, bool) and isinstance(value, int if base is int
+                                                        else (int, float))
+        ok = ok and (how.ge is None or value >= how.ge) and (how.gt is None or value > how.gt) \
+            and (how.le is None or value <= how.le)
+    else:
+        ok = isinstance(value, base)
+    if not ok:
+        raise _FieldError(setting.name, _offered_allowed(setting), value)
+
+
+def _lower_keys(data):
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"serving config must be a mapping of keys to values, "
+                         f"got {type(data).__name__}")
+    lowered = {}
+    for key, value in data.items():
+        name = str(key).lower()
+        if name in lowered:
+            raise ValueError(f"serving config: key {name!r} is given twice (keys are "
+                             "case-insensitive)")
+        lowered[name] = value
+    return lowered
+
+
+def _message(error, model, path):
+    """One pydantic error of `model` (whose keys sit under `path`) as dosa says it."""
+    parts, fields = list(path), model.model_fields
+    info = None
+    for item in error["loc"]:
+        if fields is None or item not in fields:
+            break
+        parts.append(item)
+        info = fields[item]
+        nested = base_type(info.annotation)
+        fields = nested.model_fields if isinstance(nested, type) and issubclass(
+            nested, BaseModel) else None
+    where = ".".join(parts)
+    if error["type"] == "value_error":
+        cause = error["ctx"]["error"]
+        if isinstance(cause, _FieldError):
+            name = f"{where}.{cause.name}" if where else cause.name
+            return f"{_WHERE}{name} must be {cause.allowed}, got {cause.value!r}"
+        text = str(cause)
+        return text if text.startswith(_WHERE) else \
+            f"{_WHERE}{where + ': ' if where else ''}{text}"
+    allowed = next((m.text for m in (info.metadata if info else ()) if isinstance(m, _Allowed)),
+                   None)
+    if allowed is None:
+        return f"{_WHERE}{where}: {error['msg']}"
+    return f"{_WHERE}{where} must be {allowed}, got {error['input']!r}"
+
+
+class _SettingsModel(BaseModel):
+    """A frozen settings model: keys in any case; errors as ValueError naming the key and
+    its allowed range; `replace`, `from_dict`, `to_dict`."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+    _path: ClassVar[tuple] = ()
+
+    def __init__(self, **data):
+        try:
+            super().__init__(**data)
+        except pydantic.ValidationError as e:
+            raise ValueError("; ".join(_message(err, type(self), self._path)
+                                       for err in e.errors())) from None
+
+    @classmethod
+    def from_dict(cls, data):
+        return cls(**_lower_keys(data))
+
+    def to_dict(self):
+        return self.model_dump()
+
+    def replace(self, **changes):
+        return type(self)(**{**self.model_dump(), **changes})
+
+
+class SelectionSwitches(_SettingsModel):
+    """The model's run-time selection switches a serving config sets (None keeps the
+    model's own value): attention, indexer and top_k; indexer_types (per-layer selection
+    reuse, ModelConfig.indexer_types: a list of "full" / "shared", a pattern "FFSS...", or
+    {index_topk_freq, index_skip_topk_offset}; shared layers skip their indexer and its key
+    cache); and every switch the selection kinds' settings offer, as extra keys (see the
+    module docstring): e.g. coarse_threshold (COARSE_THRESHOLD), the fraction of the
+    visible key blocks the hierarchical coarse stage keeps, or candidate_tokens, its budget
+    in tokens (at most one of them); coarse ("mean" or "learned": the trained coarse
+    screen); coarse_mass (the adaptive budget); fine_batch_size (FINE_BATCH_SIZE)."""
+
+    attention: Annotated[str | None, _Allowed(f"null or one of {ATTENTION_KINDS}")] = None
+    indexer: str | None = None
+    top_k: _int(1, optional=True) = None
+    indexer_types: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_and_switches(cls, data):
+        if not isinstance(data, dict):
+            return data  # a model already, or pydantic's type error names the field
+        data = _lower_keys(data)
+        offered = offered_settings()
+        unknown = sorted(set(data) - set(cls.model_fields) - set(offered))
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} fields {unknown}; allowed: "
+                             f"{sorted(set(cls.model_fields) | set(offered))}")
+        if data.get("attention") is not None and data["attention"] not in ATTENTION_KINDS:
+            raise _FieldError("attention", f"null or one of {ATTENTION_KINDS}",
+                              data["attention"])
+        served = selection_names(served=True)
+        if data.get("indexer") is not None and data["indexer"] not in served:
+            raise _FieldError("indexer", f"null or one of {served}", data["indexer"])
+        if data.get("indexer_types") is not None:
+            # The spelling only: its length is checked against the model when it loads.
+            try:
+                normalize_indexer_types(data["indexer_types"], None)
+            except ValueError as e:
+                raise ValueError(str(e).replace("ModelConfig.", "")) from None
+        for name, setting in offered.items():
+            if data.setdefault(name, None) is not None:
+                _check_offered(setting, data[name])
+        # Two switches of one budget (named in the order given).
+        settings_overrides({name: value for name, value in data.items() if name in offered})
+        return data
+
+    def model_overrides(self):
+        """The ModelConfig fields these switches set: attention, indexer, top_k,
+        indexer_types, and per selection kind its settings' changes ({kind: {field: value}},
+        serving.loading.apply_overrides)."""
+        out = {name: getattr(self, name) for name in SelectionSwitches.model_fields
+               if getattr(self, name) is not None}
+        extra = self.model_extra or {}
+        out.update(settings_overrides({name: extra.get(name) for name in offered_settings()}))
+        return out
+
+
+
+def _shadow_rate(rate, model_config):
+    """The shadow rate a config of shadow_rate `rate` runs for `model_config`'s selection."""
+    if rate is not None:
+        return float(rate)
+    if model_config.attention != "sparse" or model_config.indexer == "flat":
+        return 0.0
+    return DEFAULT_SHADOW_RATE
+
+
+class CanaryConfig(SelectionSwitches):
+    """The `canary:` block: a second selection configuration of the same weights.
+
+    share: the fraction of new requests routed to it (a stable hash of X-Request-Id or
+      `user`; serving.rollout). model_version: its label on every metric (None: the
+      baseline's + "-canary"). The selection switches (SelectionSwitches) apply on top of
+      the baseline's. shadow_rate: its own shadow rate (None: the rule of the main
+      config's, for the canary's selection). decode_slots: its own decode slots (None: the
+      main config's; each side holds its own). recall_floor, guard_window: the guard (off
+      when recall_floor is None): the canary is rolled back by itself when the mean shadow
+      recall of its last guard_window watched chunks is below recall_floor.
+    """
+
+    _path: ClassVar[tuple] = ("canary",)
+
+    share: _number(0.0, 1.0) = 0.1
+    model_version: _text(optional=True) = None
+    shadow_rate: _number(0.0, 1.0, optional=True) = None
+    decode_slots: _int(1, 1024, optional=True) = None
+    recall_floor: _number(0.0, 1.0, lo_open=True, optional=True) = None
+    guard_window: _int(1, 100_000) = 20
+
+    @classmethod
+    def from_mapping(cls, data):
+        return cls.from_dict(data)
+
+    def shadow_rate_for(self, model_config):
+        return _shadow_rate(self.shadow_rate, model_config)
+
+
+class ServingConfig(SelectionSwitches):
+    """What `python -m serving` runs.
 
     model: "default" (the shipped checkpoint), "tiny" (random, UNTRAINED weights: tests and
       development), a pretrained name (smollm2-135m) or a path (.gguf file, Hugging Face
       folder, dosa checkpoint folder).
     model_version: label on every metric and the id clients send as "model" (None: derived
       from the model).
-    attention, indexer, top_k: the model's run-time switches.
-    indexer_types: per-layer selection reuse (ModelConfig.indexer_types: a list of "full" /
-      "shared", a pattern "FFSS...", or {index_topk_freq, index_skip_topk_offset}); shared
-      layers skip their indexer and its key cache. None: the model's own.
-    coarse_threshold (COARSE_THRESHOLD): fraction of the visible key blocks the hierarchical
-      indexer's coarse stage keeps (HierarchicalConfig.coarse_keep_ratio); candidate_tokens:
-      the alternative budget in tokens. Set at most one of them.
-    coarse: the hierarchical indexer's coarse scorer, "mean" or "learned" (the trained
-      coarse screen shipped beside the model; HierarchicalConfig.coarse).
-    coarse_mass: the adaptive budget (HierarchicalConfig.coarse_mass): each query keeps the
-      fewest best blocks holding this much of the screen's softmax mass; COARSE_THRESHOLD or
-      candidate_tokens is then the maximum.
-    fine_batch_size (FINE_BATCH_SIZE): queries scored per fine step of the hierarchical indexer.
+    The selection switches: SelectionSwitches (attention, indexer, top_k, indexer_types,
+      and the kinds' offered settings: coarse_threshold, candidate_tokens, coarse,
+      coarse_mass, fine_batch_size).
     cache_size (CACHE_SIZE): prefix-cache entries (blocks of cache_block_tokens prompt tokens);
       cache_bytes: its byte budget; LRU evicts past either. 0 disables the cache.
     max_context: the longest prompt + max_tokens served (clamped to the model's max_seq_len).
@@ -74,48 +310,32 @@ class ServingConfig(FrozenConfig):
     admin_key: the Bearer token of /admin/* (None: api_key; with neither, /admin/* is off).
     """
 
-    model: str = "default"
-    model_version: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8080
-    attention: str | None = None
-    indexer: str | None = None
-    top_k: int | None = None
-    indexer_types: object = None
-    coarse_threshold: float | None = None
-    candidate_tokens: int | None = None
-    coarse: str | None = None
-    coarse_mass: float | None = None
-    fine_batch_size: int | None = None
-    cache_size: int = 4096
-    cache_bytes: int = 2 << 30
-    cache_block_tokens: int = 256
-    max_context: int = 32768
-    queue_size: int = 64
-    decode_slots: int = 4
-    prefill_chunk: int | None = None
-    batching_window_ms: float = 2.0
-    request_timeout_s: float = 600.0
-    drain_timeout_s: float = 600.0
-    gpu_utilization: float = 0.9
-    warmup_max_context: int | None = None
-    api_key: str | None = None
-    fp8_experts: bool = False
-    host_timeout_s: float = 10.0
-    heartbeat_port: int | None = None
-    shadow_rate: float | None = None
-    shadow_rows: int = 16
-    shadow_max_seconds_per_s: float = 0.05
-    canary: object = None
-    admin_key: str | None = None
-
-    def __post_init__(self):
-        _check(self, "serving config: ")
-        if isinstance(self.canary, dict):
-            object.__setattr__(self, "canary", CanaryConfig.from_mapping(self.canary))
-        elif self.canary is not None and not isinstance(self.canary, CanaryConfig):
-            raise ValueError(f"serving config: canary must be null or a mapping (indexer, "
-                             f"share, model_version, ...), got {self.canary!r}")
+    model: _text() = "default"
+    model_version: _text(optional=True) = None
+    host: _text() = "127.0.0.1"
+    port: _int(0, 65535) = 8080
+    cache_size: _int(0) = 4096
+    cache_bytes: _int(0) = 2 << 30
+    cache_block_tokens: _int(1, 65536) = 256
+    max_context: _int(16) = 32768
+    queue_size: _int(1) = 64
+    decode_slots: _int(1, 1024) = 4
+    prefill_chunk: _int(1, optional=True) = None
+    batching_window_ms: _number(0.0, 10_000.0) = 2.0
+    request_timeout_s: _number(0.0, 86_400.0, lo_open=True) = 600.0
+    drain_timeout_s: _number(0.0, 86_400.0) = 600.0
+    gpu_utilization: _number(0.0, 1.0, lo_open=True) = 0.9
+    warmup_max_context: _int(0, optional=True) = None
+    api_key: _text(optional=True) = None
+    fp8_experts: _Flag = False
+    host_timeout_s: _number(0.0, 3600.0, lo_open=True) = 10.0
+    heartbeat_port: _int(1, 65535, optional=True) = None
+    shadow_rate: _number(0.0, 1.0, optional=True) = None
+    shadow_rows: _int(1, 4096) = 16
+    shadow_max_seconds_per_s: _number(0.0, 1.0, lo_open=True) = 0.05
+    canary: Annotated[CanaryConfig | None, _Allowed(
+        "null or a mapping (indexer, share, model_version, ...)")] = None
+    admin_key: _text(optional=True) = None
 
     def shadow_rate_for(self, model_config):
         """The shadow rate this config runs for a model of `model_config`'s selection."""
@@ -123,183 +343,10 @@ class ServingConfig(FrozenConfig):
 
     def model_overrides(self):
         """The model's run-time switches this config sets (ModelConfig fields)."""
-        out = _selection_overrides(self)
+        out = super().model_overrides()
         if self.prefill_chunk is not None:
             out["prefill_chunk"] = self.prefill_chunk
         return out
-
-
-def _shadow_rate(rate, model_config):
-    if rate is not None:
-        return float(rate)
-    if model_config.attention != "sparse" or model_config.indexer == "flat":
-        return 0.0
-    return DEFAULT_SHADOW_RATE
-
-
-def _selection_overrides(cfg):
-    out = {name: getattr(cfg, name) for name in ("attention", "indexer", "top_k",
-                                                 "indexer_types")
-           if getattr(cfg, name) is not None}
-    hierarchical = {}
-    if cfg.coarse_threshold is not None:
-        hierarchical.update(coarse_keep_ratio=cfg.coarse_threshold, candidate_tokens=None)
-    if cfg.candidate_tokens is not None:
-        hierarchical.update(candidate_tokens=cfg.candidate_tokens, coarse_keep_ratio=None)
-    if cfg.fine_batch_size is not None:
-        hierarchical["fine_batch_size"] = cfg.fine_batch_size
-    for name in ("coarse", "coarse_mass"):
-        if getattr(cfg, name) is not None:
-            hierarchical[name] = getattr(cfg, name)
-    if hierarchical:
-        out["hierarchical"] = hierarchical
-    return out
-
-
-def _check(self, where):
-    """Validates the fields `self` has (a ServingConfig or a CanaryConfig); errors start
-    with `where` and name the key and its allowed range."""
-    names = {f.name for f in dataclasses.fields(self)}
-
-    def fail(name, allowed):
-        raise ValueError(f"{where}{name} must be {allowed}, got {getattr(self, name)!r}")
-
-    def check_int(name, lo, hi=1 << 40, optional=False):
-        value = getattr(self, name, None)
-        if name not in names or (optional and value is None):
-            return
-        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-            fail(name, f"{'null or ' if optional else ''}an integer in [{lo}, {hi}]")
-
-    def check_number(name, lo, hi, *, lo_open=False, optional=False):
-        value = getattr(self, name, None)
-        if name not in names or (optional and value is None):
-            return
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not (lo < value if lo_open else lo <= value) or value > hi:
-            fail(name, f"{'null or ' if optional else ''}a number in "
-                       f"{'(' if lo_open else '['}{lo:g}, {hi:g}]")
-
-    for name in ("model", "host"):
-        if name in names and (not isinstance(getattr(self, name), str)
-                              or not getattr(self, name)):
-            fail(name, "a non-empty string")
-    if "fp8_experts" in names and not isinstance(self.fp8_experts, bool):
-        fail("fp8_experts", "true or false")
-    for name in ("model_version", "api_key", "admin_key"):
-        value = getattr(self, name, None)
-        if value is not None and (not isinstance(value, str) or not value):
-            fail(name, "null or a non-empty string")
-    if self.attention is not None and self.attention not in ATTENTION_KINDS:
-        fail("attention", f"null or one of {ATTENTION_KINDS}")
-    served = selection_names(served=True)
-    if self.indexer is not None and self.indexer not in served:
-        fail("indexer", f"null or one of {served}")
-    if self.indexer_types is not None:
-        # The spelling only: its length is checked against the model when it loads.
-        try:
-            normalize_indexer_types(self.indexer_types, None)
-        except ValueError as e:
-            raise ValueError(f"{where}{e}".replace("ModelConfig.", "")) from None
-    check_int("port", 0, 65535)
-    check_int("top_k", 1, optional=True)
-    check_number("coarse_threshold", 0.0, 1.0, lo_open=True, optional=True)
-    check_int("candidate_tokens", 1, optional=True)
-    if self.coarse_threshold is not None and self.candidate_tokens is not None:
-        raise ValueError(f"{where}set at most one of coarse_threshold (COARSE_THRESHOLD) and "
-                         "candidate_tokens, got both")
-    if self.coarse is not None and self.coarse not in COARSE_KINDS:
-        fail("coarse", f"null or one of {COARSE_KINDS}")
-    check_number("coarse_mass", 0.0, 1.0, lo_open=True, optional=True)
-    check_int("fine_batch_size", 1, optional=True)
-    check_int("cache_size", 0)
-    check_int("cache_bytes", 0)
-    check_int("cache_block_tokens", 1, 65536)
-    check_int("max_context", 16)
-    check_int("queue_size", 1)
-    check_int("decode_slots", 1, 1024, optional="share" in names)
-    check_int("prefill_chunk", 1, optional=True)
-    check_number("batching_window_ms", 0.0, 10_000.0)
-    check_number("request_timeout_s", 0.0, 86_400.0, lo_open=True)
-    check_number("drain_timeout_s", 0.0, 86_400.0)
-    check_number("gpu_utilization", 0.0, 1.0, lo_open=True)
-    check_int("warmup_max_context", 0, optional=True)
-    check_number("host_timeout_s", 0.0, 3600.0, lo_open=True)
-    check_int("heartbeat_port", 1, 65535, optional=True)
-    check_number("shadow_rate", 0.0, 1.0, optional=True)
-    check_int("shadow_rows", 1, 4096)
-    check_number("shadow_max_seconds_per_s", 0.0, 1.0, lo_open=True)
-    check_number("share", 0.0, 1.0)
-    check_number("recall_floor", 0.0, 1.0, lo_open=True, optional=True)
-    check_int("guard_window", 1, 100_000)
-
-
-@dataclasses.dataclass(frozen=True)
-class CanaryConfig(FrozenConfig):
-    """The `canary:` block: a second selection configuration of the same weights.
-
-    share: the fraction of new requests routed to it (a stable hash of X-Request-Id or
-      `user`; serving.rollout). model_version: its label on every metric (None: the
-      baseline's + "-canary"). attention ... fine_batch_size: the model switches of the
-      main config (SELECTION_SWITCHES), applied on top of the baseline's. shadow_rate: its
-      own shadow rate (None: the rule of the main config's, for the canary's selection).
-    decode_slots: its own decode slots (None: the main config's; each side holds its own).
-    recall_floor, guard_window: the guard (off when recall_floor is None): the canary is
-      rolled back by itself when the mean shadow recall of its last guard_window watched
-      chunks is below recall_floor.
-    """
-
-    share: float = 0.1
-    model_version: str | None = None
-    attention: str | None = None
-    indexer: str | None = None
-    top_k: int | None = None
-    indexer_types: object = None
-    coarse_threshold: float | None = None
-    candidate_tokens: int | None = None
-    coarse: str | None = None
-    coarse_mass: float | None = None
-    fine_batch_size: int | None = None
-    shadow_rate: float | None = None
-    decode_slots: int | None = None
-    recall_floor: float | None = None
-    guard_window: int = 20
-
-    def __post_init__(self):
-        _check(self, "serving config: canary.")
-
-    @classmethod
-    def from_mapping(cls, data):
-        try:
-            return cls.from_dict(_lower_keys(data))
-        except ValueError as e:
-            message = str(e)
-            if not message.startswith("serving config"):
-                message = f"serving config: canary: {message}"
-            raise ValueError(message) from None
-
-    def model_overrides(self):
-        """The model switches the canary sets on top of the baseline's."""
-        return _selection_overrides(self)
-
-    def shadow_rate_for(self, model_config):
-        return _shadow_rate(self.shadow_rate, model_config)
-
-
-def _lower_keys(data):
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"serving config must be a mapping of keys to values, "
-                         f"got {type(data).__name__}")
-    lowered = {}
-    for key, value in data.items():
-        name = str(key).lower()
-        if name in lowered:
-            raise ValueError(f"serving config: key {name!r} is given twice (keys are "
-                             "case-insensitive)")
-        lowered[name] = value
-    return lowered
 
 
 def config_from_mapping(data, **overrides):

@@ -7,6 +7,8 @@ import logging
 import pathlib
 import time
 
+from indexer.selection import offered_settings
+
 log = logging.getLogger("serving.loading")
 
 
@@ -64,20 +66,29 @@ def load_model(name, overrides=None, *, mesh=None, context=None, fp8_experts=Fal
 
 
 def apply_overrides(config, overrides):
-    """config.replace(**overrides), merging a partial "hierarchical" dict into the model's."""
+    """config.replace(**overrides), where a selection kind's name maps to changes to its
+    settings (ServingConfig.model_overrides: {"hierarchical": {"candidate_tokens": ...}})."""
     overrides = dict(overrides)
-    if isinstance(overrides.get("hierarchical"), dict):
-        overrides["hierarchical"] = config.hierarchical.replace(**overrides["hierarchical"])
+    for kind in offered_kinds():
+        changes = overrides.pop(kind, None)
+        if changes is not None:
+            config = config.with_settings(kind, **changes)
     return config.replace(**overrides)
 
 
+def offered_kinds():
+    return {setting.kind for setting in offered_settings().values()}
+
+
 def selection_summary(config):
-    """The selection switches of a ModelConfig, as GET /admin/rollout and the log show them."""
+    """The selection switches of a ModelConfig, as GET /admin/rollout and the log show them:
+    attention, indexer, top_k, the offered settings of its kind (by field name) and
+    indexer_types."""
     out = {"attention": config.attention, "indexer": config.indexer, "top_k": config.top_k}
-    if config.indexer == "hierarchical":
-        h = config.hierarchical
-        out.update(candidate_tokens=h.candidate_tokens, coarse_keep_ratio=h.coarse_keep_ratio,
-                   coarse=h.coarse, coarse_mass=h.coarse_mass)
+    settings = config.settings(config.indexer)
+    for setting in offered_settings().values():
+        if setting.kind == config.indexer:
+            out[setting.field] = getattr(settings, setting.field)
     if config.indexer_types:
         out["indexer_types"] = "".join("S" if t == "shared" else "F"
                                        for t in config.indexer_types)
