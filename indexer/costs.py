@@ -109,7 +109,8 @@ def visible_blocks(p0, T, cap, B):
 @dataclasses.dataclass(frozen=True)
 class Selection:
     """A top-k selection to count. kind: a selection kind; config: its settings (a
-    HierarchicalConfig for "hierarchical"; None for a kind without settings). tile_candidates: the pipeline of record of the committed H200
+    HierarchicalConfig for "hierarchical"; None for a kind without settings).
+    tile_candidates: the pipeline of record of the committed H200
     benchmark (each query tile's table = its n_cand blocks of best coarse score over the
     tile, no per-query lists, every query ranks the whole table) instead of
     indexer.hierarchical_topk's per-query candidate lists and tile union."""

@@ -19,8 +19,8 @@ import os
 import pathlib
 import sys
 
-from model.parallel_flags import add_parallel_arguments, distributed_settings, parse_mesh
 from indexer.selection import offered_settings
+from model.parallel_flags import add_parallel_arguments, distributed_settings, parse_mesh
 from serving.config import DEFAULT_CONFIG, base_type, load_config
 
 
