@@ -153,3 +153,50 @@ class CompileCounter:
     def take(self):
         n, self.taken = self.count - self.taken, self.count
         return n
+
+
+class ProgressBar:
+    """The project's one progress display (rich): a bar over `total` steps (from
+    `completed`) with a status text after it; `write` prints a line above the bar. A
+    context manager; `track` iterates under one."""
+
+    def __init__(self, description, total=None, completed=0):
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self._progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                  MofNCompleteColumn(), TimeElapsedColumn(),
+                                  TextColumn("{task.fields[status]}"))
+        self._task = self._progress.add_task(description, total=total, completed=completed,
+                                             status="")
+
+    def __enter__(self):
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._progress.stop()
+
+    def advance(self, steps=1):
+        self._progress.advance(self._task, steps)
+
+    def status(self, text):
+        self._progress.update(self._task, status=text)
+
+    def write(self, text):
+        self._progress.console.print(text, markup=False, highlight=False)
+
+
+def track(iterable, description, *, total=None):
+    """Iterates `iterable` under a ProgressBar (total: len(iterable) when it has one)."""
+    if total is None and hasattr(iterable, "__len__"):
+        total = len(iterable)
+    with ProgressBar(description, total) as bar:
+        for item in iterable:
+            yield item
+            bar.advance()

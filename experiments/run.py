@@ -40,6 +40,7 @@ from experiments.gpu_targets import TARGETS
 from experiments.schema import ConfigError
 from experiments.ttft.config import load_run_config
 from experiments.ttft.plan import plan_length
+from experiments.ttft.projection import projection
 from experiments.ttft.report import COLUMNS, markdown, plot, row_cells, summary_line
 from experiments.ttft.study import METHOD, environment, load_source, run_study, source_config
 from model import CheckpointMissingError
@@ -174,6 +175,7 @@ def main(argv=None):
     command = recorded_command("experiments.run", argv)
     results = {"config": run.to_dict(), "model": description, "random_weights": random_weights,
                "env": environment(), "method": METHOD, "runs": rows, "summary": summary,
+               "projection": projection() if lead else None,
                "command": command, "wall_s": time.perf_counter() - t0,
                "mesh": None if mesh is None else dict(mesh.shape),
                "processes": jax.process_count()}

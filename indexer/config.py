@@ -93,6 +93,11 @@ class HierarchicalConfig(FrozenConfig):
       sink, local and bound blocks count against it. Must be >= top_k at call time.
     coarse_keep_ratio: alternative budget, the fraction of the blocks visible to the query
       (the reference's COARSE_THRESHOLD, 0.8 there). Set candidate_tokens=None to use it.
+    length_budgets: alternative budget, a rule by context length: ((length, tokens), ...),
+      lengths ascending. A call over L keys (the cache up to its length bucket: the chunk's
+      context) runs with the tokens of the first entry whose length is >= L, past the last
+      entry with the last's. Set candidate_tokens=None to use it. Exactly one of the three
+      budgets is set.
     fine_batch_size: queries scored per fine step (one step of a sequential lax.map), which
       bounds memory: O(fine_batch_size * (L / block_size + candidate tokens)).
     sink_blocks: leading blocks always selected (attention sinks).
@@ -137,9 +142,11 @@ class HierarchicalConfig(FrozenConfig):
     """
 
     block_size: int = 64
-    candidate_tokens: int | None = offered(1408, ge=1, clears=("coarse_keep_ratio",))
+    candidate_tokens: int | None = offered(1408, ge=1,
+                                           clears=("coarse_keep_ratio", "length_budgets"))
     coarse_keep_ratio: float | None = offered(None, name="coarse_threshold", gt=0.0, le=1.0,
-                                              clears=("candidate_tokens",))
+                                              clears=("candidate_tokens", "length_budgets"))
+    length_budgets: tuple | None = None
     fine_batch_size: int = offered(128, ge=1)
     sink_blocks: int = 1
     local_blocks: int = 1
@@ -183,11 +190,25 @@ class HierarchicalConfig(FrozenConfig):
         if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float))
                                   or not 0.0 < ratio <= 1.0):
             fail("coarse_keep_ratio", "None or a number in (0, 1]")
-        if (self.candidate_tokens is None) == (ratio is None):
+        rule = self.length_budgets
+        if rule is not None:
+            try:
+                rule = tuple((length, tokens) for length, tokens in rule)
+            except (TypeError, ValueError):
+                rule = None
+            if (not rule or any(isinstance(x, bool) or not isinstance(x, int) or x < 1
+                                for pair in rule for x in pair)
+                    or [n for n, _ in rule] != sorted({n for n, _ in rule})):
+                fail("length_budgets", "None or ((length, tokens), ...) of positive ints, "
+                                       "lengths ascending and distinct")
+            object.__setattr__(self, "length_budgets", rule)
+        budgets = {"candidate_tokens": self.candidate_tokens, "coarse_keep_ratio": ratio,
+                   "length_budgets": rule}
+        if sum(v is not None for v in budgets.values()) != 1:
             raise ValueError("HierarchicalConfig: set exactly one of candidate_tokens and "
                              "coarse_keep_ratio (set candidate_tokens=None to use "
-                             f"coarse_keep_ratio); got candidate_tokens={self.candidate_tokens!r}, "
-                             f"coarse_keep_ratio={ratio!r}")
+                             "coarse_keep_ratio), or length_budgets; got "
+                             + ", ".join(f"{k}={v!r}" for k, v in budgets.items()))
         if self.coarse not in COARSE_KINDS:
             fail("coarse", f"one of {COARSE_KINDS}")
         for name in ("coarse_mass", "coarse_temperature"):
@@ -218,10 +239,25 @@ class HierarchicalConfig(FrozenConfig):
             raise ValueError(f"HierarchicalConfig.fine_batch_size ({self.fine_batch_size}) must be "
                              f"a multiple of query_tile ({self.query_tile})")
 
+    def budget_tokens(self, length):
+        """The candidate budget in tokens of a call over `length` keys (None: the
+        coarse_keep_ratio rule, a share of each query's visible blocks)."""
+        if self.length_budgets is not None:
+            return next((tokens for upto, tokens in self.length_budgets if upto >= length),
+                        self.length_budgets[-1][1])
+        return self.candidate_tokens
+
+    def min_budget_tokens(self):
+        """The smallest budget in tokens any call runs with (None: the ratio rule)."""
+        if self.length_budgets is not None:
+            return min(tokens for _, tokens in self.length_budgets)
+        return self.candidate_tokens
+
     def candidate_blocks(self, n_blocks):
         """The budget in whole blocks for a context of n_blocks blocks (static)."""
-        if self.candidate_tokens is not None:
-            return -(-self.candidate_tokens // self.block_size)
+        budget = self.budget_tokens(n_blocks * self.block_size)
+        if budget is not None:
+            return -(-budget // self.block_size)
         return max(1, math.ceil(self.coarse_keep_ratio * n_blocks - 1e-9))
 
 
@@ -242,9 +278,10 @@ def hierarchical_plan(config, T, L, top_k, H):
     """Static sizes of one hierarchical_topk call of T queries over L keys with H heads
     (ValueError on a budget below top_k or more coarse heads than H)."""
     B = config.block_size
-    if config.candidate_tokens is not None and config.candidate_tokens < top_k:
-        raise ValueError(f"HierarchicalConfig.candidate_tokens ({config.candidate_tokens}) must "
-                         f"be >= top_k ({top_k})")
+    budget = config.budget_tokens(L)
+    if budget is not None and budget < top_k:
+        which = f"length_budgets at {L} keys" if config.length_budgets else "candidate_tokens"
+        raise ValueError(f"HierarchicalConfig.{which} ({budget}) must be >= top_k ({top_k})")
     if config.coarse_heads is not None and config.coarse_heads > H:
         raise ValueError(f"HierarchicalConfig.coarse_heads ({config.coarse_heads}) must be in "
                          f"[1, index heads = {H}]")

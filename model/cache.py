@@ -137,6 +137,13 @@ def cache_capacity(cache, *, batched=False):
     return int(cache[0].fields[name].shape[1 if batched else 0])
 
 
+def part_copy(cache, part):
+    """A copy of the fields of one part ("kv" or "index") of every layer: what outlives the
+    cache (e.g. the indexer keys a comparison reselects over, without the kv bytes)."""
+    return [LayerCache({name: jnp.copy(array) for name, array in layer.fields.items()
+                        if field(name).part == part}) for layer in cache]
+
+
 def token_rows(cache, names, kv_len=None):
     """{name: rows [0, kv_len)} of a layer's per-token fields `names` (None: every row)."""
     return {name: cache.fields[name][:kv_len] for name in names}

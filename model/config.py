@@ -227,9 +227,11 @@ class ModelConfig(FrozenConfig):
             raise ValueError(f"ModelConfig.index_rope_dim ({self.index_rope_dim}) must be <= "
                              f"mla.qk_rope_head_dim ({self.mla.qk_rope_head_dim}): the indexer "
                              f"rotates with attention's frequencies")
-        budget = self.hierarchical.candidate_tokens
+        budget = self.hierarchical.min_budget_tokens()
         if self.indexer == "hierarchical" and budget is not None and budget < self.top_k:
-            raise ValueError(f"ModelConfig.hierarchical.candidate_tokens must be >= top_k "
+            which = "length_budgets' tokens" if self.hierarchical.length_budgets else \
+                "candidate_tokens"
+            raise ValueError(f"ModelConfig.hierarchical.{which} must be >= top_k "
                              f"({self.top_k}), got {budget}")
 
     @property
@@ -281,7 +283,7 @@ class ModelConfig(FrozenConfig):
         if layer is None or not self.layer_candidate_tokens:
             return self.hierarchical
         return self.hierarchical.replace(candidate_tokens=self.layer_candidate_tokens[layer],
-                                         coarse_keep_ratio=None)
+                                         coarse_keep_ratio=None, length_budgets=None)
 
     def settings(self, kind):
         """Selection kind `kind`'s settings (an instance of its SelectionKind.config; None

@@ -98,3 +98,48 @@ def test_the_walk_sees_function_level_imports():
     graph = import_graph()
     assert "model.pretrained.mla_moe" in graph["model.dsa_presets"]
     assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+
+
+# Optional imports whose distribution may be absent here (an extra not installed).
+NOT_INSTALLED = {"llama_cpp": "llama-cpp-python"}
+
+
+def _requirement_name(spec):
+    import re
+
+    return re.split(r"[\s\[<>=!~;]", spec.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+
+def test_every_third_party_import_is_declared():
+    """What the installed packages import from outside dosa and the standard library comes
+    from a distribution pyproject.toml names (a dependency or an extra), and nothing of them
+    imports torch (the fixture generators that need it live under tests/)."""
+    import importlib.metadata
+    import sys
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {_requirement_name(s) for s in project["dependencies"]}
+    declared |= {_requirement_name(s) for extra in project["optional-dependencies"].values()
+                 for s in extra}
+    distributions = importlib.metadata.packages_distributions()
+    missing, torch = {}, []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                tops = [alias.name.split(".")[0] for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                tops = [node.module.split(".")[0]]
+            else:
+                continue
+            for top in tops:
+                if top in RANK or top in sys.stdlib_module_names:
+                    continue
+                if top == "torch":
+                    torch.append(name)
+                dists = {d.lower().replace("_", "-")
+                         for d in distributions.get(top, [NOT_INSTALLED.get(top, top)])}
+                if not dists & declared:
+                    missing.setdefault(top, set()).add(name)
+    assert not torch, f"modules of the installed packages import torch: {torch}"
+    assert not missing, f"imported but not declared in pyproject.toml: {missing}"

@@ -30,10 +30,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm import tqdm
 
 import indexer
-from experiments.common import display_path, enable_compile_cache, recorded_command, write_json
+from experiments.common import (
+    ProgressBar,
+    display_path,
+    enable_compile_cache,
+    recorded_command,
+    track,
+    write_json,
+)
 from experiments.data import model_indexer_inputs
 from experiments.model_source import load_source, training_windows
 from indexer.block_summaries import block_summaries
@@ -139,63 +145,66 @@ def main(argv=None):
         p.error(f"the held-out text has {heldout.shape[0]} tokens, fewer than --length")
     print(f"{source.name}: capturing indexer inputs of {args.sequences} training windows and "
           f"1 held-out window of {args.length} tokens ({config.n_layers} layers)", flush=True)
-    train = layer_examples(model, tqdm(windows[:-1], desc="capture"), args.queries)
+    train = layer_examples(model, track(windows[:-1], "capture"), args.queries)
     valid = layer_examples(model, windows[-1:], args.queries)
     test = layer_examples(model, [heldout], args.queries)
     print(f"captured in {time.monotonic() - t0:.0f} s", flush=True)
     hier_mean = config.hierarchical.replace(coarse="mean", coarse_mass=None, exact=False)
     hier_learned = hier_mean.replace(coarse="learned")
     layers_log = []
-    for i, block in enumerate(tqdm(model.layers, desc="layers")):
-        examples = [e[:5] for e in train[i]]
-        init = block.coarse_screen.params()
-        identity = init.scales  # the untrained screen is the mean screen
-        (scales, log_t), losses = fit((init.scales, init.log_temperature), examples,
-                                      args.steps, args.lr, block_size=B)
-        (_, mean_log_t), mean_losses = fit((identity, init.mean_log_temperature), examples,
-                                           args.steps, args.lr, block_size=B,
-                                           train_scales=False)
-        screen = ScreenParams(scales, log_t, mean_log_t)
-        q, w, _, _, off, k, flat = valid[i][0]
-        valid_mean = heldout_recall(q, w, k, flat, off, hier_mean, top_k, screen)
-        valid_learned = heldout_recall(q, w, k, flat, off, hier_learned, top_k, screen)
-        kept = valid_learned > valid_mean
-        if not kept:  # the mean screen ranks better here: the layer keeps it (a = 1, b = c = 0)
-            scales, log_t = identity, mean_log_t  # and its temperature (the mass rule's)
-        screen = ScreenParams(scales, log_t, mean_log_t)
-        held = [e[:5] for e in test[i]]
+    with ProgressBar("layers", total=len(model.layers)) as bar:
+        for i, block in enumerate(model.layers):
+            examples = [e[:5] for e in train[i]]
+            init = block.coarse_screen.params()
+            identity = init.scales  # the untrained screen is the mean screen
+            (scales, log_t), losses = fit((init.scales, init.log_temperature), examples,
+                                          args.steps, args.lr, block_size=B)
+            (_, mean_log_t), mean_losses = fit((identity, init.mean_log_temperature), examples,
+                                               args.steps, args.lr, block_size=B,
+                                               train_scales=False)
+            screen = ScreenParams(scales, log_t, mean_log_t)
+            q, w, _, _, off, k, flat = valid[i][0]
+            valid_mean = heldout_recall(q, w, k, flat, off, hier_mean, top_k, screen)
+            valid_learned = heldout_recall(q, w, k, flat, off, hier_learned, top_k, screen)
+            kept = valid_learned > valid_mean
+            if not kept:  # the mean screen ranks better here: the layer keeps it (a = 1, b = c = 0)
+                scales, log_t = identity, mean_log_t  # and its temperature (the mass rule's)
+            screen = ScreenParams(scales, log_t, mean_log_t)
+            held = [e[:5] for e in test[i]]
 
-        def test_loss(pt, held=held):
-            return mean_loss(pt[0], pt[1], held, B)
+            def test_loss(pt, held=held):
+                return mean_loss(pt[0], pt[1], held, B)
 
-        q, w, _, _, off, k, flat = test[i][0]
-        entry = dict(
-            layer=i, learned_kept=bool(kept), valid_recall_mean=valid_mean,
-            valid_recall_learned=valid_learned,
-            train_loss_first=losses[0], train_loss_last=losses[-1],
-            mean_screen_train_loss=mean_losses[-1],
-            heldout_loss_mean=float(test_loss((init.scales, mean_log_t), held)),
-            heldout_loss_learned=float(test_loss((scales, log_t), held)),
-            temperature=float(jnp.exp(log_t)), mean_temperature=float(jnp.exp(mean_log_t)),
-            heldout_recall_mean=heldout_recall(q, w, k, flat, off, hier_mean, top_k, screen),
-            heldout_recall_learned=heldout_recall(q, w, k, flat, off, hier_learned, top_k,
-                                                  screen),
-            heldout_ceiling=indexer.block_recall_ceiling(
-                np.asarray(flat), -(-hier_mean.candidate_tokens // B), B)
-            if hier_mean.candidate_tokens else None)
-        layers_log.append(entry)
-        choice = "learned" if kept else "mean (identity)"
-        tqdm.write(f"layer {i}: validation recall mean {valid_mean:.4f} learned "
-                   f"{valid_learned:.4f} -> {choice}; loss {losses[0]:.4f} -> "
-                   f"{losses[-1]:.4f} (mean screen, fitted "
-                   f"tau: {mean_losses[-1]:.4f}); held-out loss mean "
-                   f"{entry['heldout_loss_mean']:.4f} learned "
-                   f"{entry['heldout_loss_learned']:.4f}; held-out recall mean "
-                   f"{entry['heldout_recall_mean']:.4f} learned "
-                   f"{entry['heldout_recall_learned']:.4f} (ceiling {entry['heldout_ceiling']})")
-        block.coarse_screen.scales[...] = scales
-        block.coarse_screen.log_temperature[...] = log_t
-        block.coarse_screen.mean_log_temperature[...] = mean_log_t
+            q, w, _, _, off, k, flat = test[i][0]
+            entry = dict(
+                layer=i, learned_kept=bool(kept), valid_recall_mean=valid_mean,
+                valid_recall_learned=valid_learned,
+                train_loss_first=losses[0], train_loss_last=losses[-1],
+                mean_screen_train_loss=mean_losses[-1],
+                heldout_loss_mean=float(test_loss((init.scales, mean_log_t), held)),
+                heldout_loss_learned=float(test_loss((scales, log_t), held)),
+                temperature=float(jnp.exp(log_t)), mean_temperature=float(jnp.exp(mean_log_t)),
+                heldout_recall_mean=heldout_recall(q, w, k, flat, off, hier_mean, top_k, screen),
+                heldout_recall_learned=heldout_recall(q, w, k, flat, off, hier_learned, top_k,
+                                                      screen),
+                heldout_ceiling=indexer.block_recall_ceiling(
+                    np.asarray(flat), -(-hier_mean.candidate_tokens // B), B)
+                if hier_mean.candidate_tokens else None)
+            layers_log.append(entry)
+            choice = "learned" if kept else "mean (identity)"
+            bar.write(f"layer {i}: validation recall mean {valid_mean:.4f} learned "
+                      f"{valid_learned:.4f} -> {choice}; loss {losses[0]:.4f} -> "
+                      f"{losses[-1]:.4f} (mean screen, fitted "
+                      f"tau: {mean_losses[-1]:.4f}); held-out loss mean "
+                      f"{entry['heldout_loss_mean']:.4f} learned "
+                      f"{entry['heldout_loss_learned']:.4f}; held-out recall mean "
+                      f"{entry['heldout_recall_mean']:.4f} learned "
+                      f"{entry['heldout_recall_learned']:.4f} "
+                      f"(ceiling {entry['heldout_ceiling']})")
+            block.coarse_screen.scales[...] = scales
+            block.coarse_screen.log_temperature[...] = log_t
+            block.coarse_screen.mean_log_temperature[...] = mean_log_t
+            bar.advance()
     record = dict(
         command=recorded_command("experiments.training.coarse_screen", argv),
         model=source.name, length=args.length, serve_length=args.serve_length,

@@ -45,9 +45,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
-from experiments.common import enable_compile_cache, recorded_command
+from experiments.common import enable_compile_cache, recorded_command, track
 from experiments.text_corpus import (
     heldout_text_tokens,
     list_documents,
@@ -236,7 +235,7 @@ def main(argv=None):
 
     teacher = make_teacher(pre.model)
     for item in planned():
-        record["teacher_s"] += fill(cache, teacher, [item], log=tqdm.write)
+        record["teacher_s"] += fill(cache, teacher, [item], log=print)
         if over():
             break
     names = [f"window_{i:05d}" for i in range(args.windows)]
@@ -286,7 +285,7 @@ def main(argv=None):
         epoch = record["epoch"]
         order = np.random.default_rng([args.seed, 31, epoch]).permutation(args.windows)
         start = time.monotonic()
-        for i in tqdm(order, desc=f"epoch {epoch + 1}/{args.epochs}", unit="window"):
+        for i in track(order, f"epoch {epoch + 1}/{args.epochs}"):
             entry = cache.read(names[i])
             lr = float(ts.lr_schedule(record["step"], total, peak=args.lr,
                                       warmup=args.warmup_steps, final_frac=0.1))
@@ -309,7 +308,7 @@ def main(argv=None):
         save_indexer_weights(work / "last", model_now(), base={})
         np.savez(work / "opt.npz", **_flat_opt(opt_state))
         (work / "record.json").write_text(json.dumps(record))
-        tqdm.write(f"epoch {record['epoch']}: held-out KL {kl:.4f}"
+        print(f"epoch {record['epoch']}: held-out KL {kl:.4f}"
                    + (" (best)" if better else f" (best {record['best'][1]:.4f})"))
     if stopped == "time budget":
         print(f"stopped by the time budget after epoch {record['epoch']}; rerun the same "

@@ -32,9 +32,13 @@ import time
 
 import jax
 import numpy as np
-from tqdm import tqdm
 
-from experiments.common import enable_compile_cache, parse_hierarchical, recorded_command
+from experiments.common import (
+    ProgressBar,
+    enable_compile_cache,
+    parse_hierarchical,
+    recorded_command,
+)
 from experiments.data import sample_batch
 from experiments.text_corpus import (
     heldout_text_tokens,
@@ -235,32 +239,32 @@ def main(argv=None):
         record["heldout"].append([0, heldout_kl()])
         print(f"held-out KL at step 0: {record['heldout'][-1][1]:.4f}")
     start = time.monotonic()
-    bar = tqdm(range(record["step"], args.steps), initial=record["step"], total=args.steps,
-               desc="indexer warm-up", unit="step")
     stopped = "steps"
-    for step in bar:
-        batch = sample_batch(tokens, 1, args.seq_len - 1, seed=args.seed, stream=TRAIN_STREAM,
-                             step=step)
-        lr = float(ts.lr_schedule(step, args.steps, peak=args.lr, warmup=args.warmup_steps,
-                                  final_frac=0.1))
-        trainable, opt_state, metrics = step_fn(trainable, opt_state, frozen, rest, batch, lr)
-        kl = float(metrics["loss"])
-        if not math.isfinite(kl):
-            raise FloatingPointError(f"KL is {kl} at step {step + 1}")
-        record["step"] = step + 1
-        record["tokens"] += int(batch.size)
-        record["train"].append([step + 1, round(kl, 5)])
-        bar.set_postfix(kl=f"{kl:.4f}", lr=f"{lr:.1e}")
-        if (step + 1) % args.heldout_every == 0 or step + 1 == args.steps:
-            record["heldout"].append([step + 1, heldout_kl()])
-            tqdm.write(f"step {step + 1}: held-out KL {record['heldout'][-1][1]:.4f}")
-        if (step + 1) % args.save_every == 0:
-            record["wall_s"] += time.monotonic() - start
-            start = time.monotonic()
-            save()
-        if args.time_budget_s and time.monotonic() - t0 > args.time_budget_s:
-            stopped = "time budget"
-            break
+    with ProgressBar("indexer warm-up", total=args.steps, completed=record["step"]) as bar:
+        for step in range(record["step"], args.steps):
+            bar.advance()
+            batch = sample_batch(tokens, 1, args.seq_len - 1, seed=args.seed, stream=TRAIN_STREAM,
+                                 step=step)
+            lr = float(ts.lr_schedule(step, args.steps, peak=args.lr, warmup=args.warmup_steps,
+                                      final_frac=0.1))
+            trainable, opt_state, metrics = step_fn(trainable, opt_state, frozen, rest, batch, lr)
+            kl = float(metrics["loss"])
+            if not math.isfinite(kl):
+                raise FloatingPointError(f"KL is {kl} at step {step + 1}")
+            record["step"] = step + 1
+            record["tokens"] += int(batch.size)
+            record["train"].append([step + 1, round(kl, 5)])
+            bar.status(f"kl={kl:.4f} lr={lr:.1e}")
+            if (step + 1) % args.heldout_every == 0 or step + 1 == args.steps:
+                record["heldout"].append([step + 1, heldout_kl()])
+                bar.write(f"step {step + 1}: held-out KL {record['heldout'][-1][1]:.4f}")
+            if (step + 1) % args.save_every == 0:
+                record["wall_s"] += time.monotonic() - start
+                start = time.monotonic()
+                save()
+            if args.time_budget_s and time.monotonic() - t0 > args.time_budget_s:
+                stopped = "time budget"
+                break
     record["wall_s"] += time.monotonic() - start
     model = save(final=True)
     if record["step"] < args.steps:

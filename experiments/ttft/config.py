@@ -4,7 +4,8 @@
                                 random_weights: true; overrides (ModelConfig fields)
     lengths:      context lengths in tokens, measured in this order
     modes:        the measured configurations, a ModeSpec each (name, attention, indexer,
-                                hierarchical overrides, ModelConfig overrides, max_length)
+                                hierarchical overrides, ModelConfig overrides, max_length,
+                                time_max_length)
     reference:    the mode the others are compared with (default sparse-flat)
     compare:      the mode the summary reports against the reference (sparse-hierarchical)
     repetitions:  timed rounds per length, after a compile-only warm-up: each round times
@@ -82,7 +83,9 @@ class ModeSpec(ConfigSection):
     (indexer.selection: flat | hierarchical | window).
     hierarchical: HierarchicalConfig fields over the model's. overrides: other ModelConfig
     run-time fields (top_k, flat_index_layers, ...). max_length: lengths above it are not
-    measured for this mode (None: all)."""
+    measured for this mode (None: all). time_max_length: lengths above it run this mode
+    once, untimed, for the fidelity figures only (dense at 8K on 2 cores: what sparse is
+    compared with, without timing it); None: every length is timed."""
 
     name: str = ""
     attention: str = "sparse"
@@ -90,6 +93,7 @@ class ModeSpec(ConfigSection):
     hierarchical: dict = dataclasses.field(default_factory=dict)
     overrides: dict = dataclasses.field(default_factory=dict)
     max_length: int | None = None
+    time_max_length: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -104,6 +108,11 @@ class ModeSpec(ConfigSection):
         _check_overrides("overrides", self.overrides,
                          MODEL_FIELDS - {"attention", "indexer", "hierarchical"}, "ModelConfig")
         check_int(self, "max_length", 1, optional=True)
+        check_int(self, "time_max_length", 1, optional=True)
+
+    def timed(self, length):
+        """Whether this mode is timed at `length` (else run once for its fidelity)."""
+        return self.time_max_length is None or length <= self.time_max_length
 
     def model_config(self, base):
         """This mode's ModelConfig on top of `base` (ValueError naming a bad field)."""

@@ -34,18 +34,23 @@ import numpy as np
 from experiments.evaluation.metrics import selections_on_captured
 from experiments.ttft import plan
 from indexer import iou, recall
+from indexer.config import hierarchical_plan
+from model.buckets import length_bucket
+from model.cache import part_copy
 
 
 @dataclasses.dataclass
 class ModeRun:
     """What measuring one mode at one length leaves: its results row, the log-probs of
-    the last fidelity positions, and (sparse modes) the last positions' captured
-    selections and indexer inputs with the pass's cache, for comparisons."""
+    the last fidelity positions, (sparse modes) the last positions' captured selections
+    and indexer inputs, (the reference) a copy of its pass's indexer keys, for
+    comparisons, and its decode steps' times."""
 
-    row: dict
+    row: dict | None
     tail_logprobs: np.ndarray | None = None
     captured: dict | None = None
     cache: list | None = None
+    decode_ms: dict | None = None
 
 
 @jax.jit
@@ -89,28 +94,31 @@ class TimedPrefill:
                 "max": max(self.times), "runs": list(self.times)}
 
 
-def time_interleaved(timers, repetitions):
-    """`repetitions` rounds, each timing every TimedPrefill of `timers` once, in order."""
-    for _ in range(repetitions):
+def time_interleaved(timers, repetitions, after_last=None):
+    """`repetitions` rounds, each timing every TimedPrefill of `timers` once, in order;
+    after_last(timer) right after each one's last call (while its output is the only
+    one held: the study takes what it keeps and frees the cache before the next call)."""
+    for rep in range(repetitions):
         for timer in timers:
             timer.time_once()
+            if after_last is not None and rep == repetitions - 1:
+                after_last(timer)
 
 
-def finish_mode(spec, config, timer, run, baselines, *, keep_cache=False):
-    """The ModeRun of a mode timed by `timer` (after time_interleaved): decode steps after
-    its last prefill, the split from the mins of its runs and of `baselines` ({(top_k,
-    prefill_chunk): TimedPrefill}). keep_cache: keep the prefill's cache in the ModeRun
-    (the reference's: the other modes' selections are compared on its inputs)."""
+def harvest(spec, timer, run, *, keep_index=False, decode=True):
+    """What a mode keeps of its last pass (`timer.out`, then freed) -> ModeRun without its
+    row: the fidelity positions' log-probs, the captured selections and indexer inputs
+    (sparse modes), a copy of the pass's indexer keys (keep_index: the reference's, which
+    the other modes' selections are compared on), and `run.decode_steps` greedy decode
+    steps timed after the prompt (decode; compiled before, one untimed)."""
     out, runner, L = timer.out, timer.runner, len(timer.tokens)
-    ttft = timer.stats()
     tail_logprobs = np.asarray(jax.nn.log_softmax(out[0], axis=-1))
     cache, captured = out[1], (out[2] if spec.sparse else None)
-    # The comparisons read the cache as the prefill left it (decode appends to it).
-    prefill_cache = jax.tree.map(jnp.copy, cache) if keep_cache else None
-    timer.out = None
-
+    # The comparisons read the keys as the prefill left them (decode appends to the cache).
+    index_copy = part_copy(cache, "index") if keep_index else None
+    timer.out = out = None
     decode_ms = None
-    if run.decode_steps:  # greedy steps after the prompt (compiled before; one untimed)
+    if decode and run.decode_steps:
         token, position, times = int(np.argmax(tail_logprobs[-1])), L, []
         for step in range(run.decode_steps + 1):
             t0 = time.perf_counter()
@@ -120,24 +128,76 @@ def finish_mode(spec, config, timer, run, baselines, *, keep_cache=False):
                 times.append(1000 * (time.perf_counter() - t0))
             position += 1
         decode_ms = {"median": statistics.median(times), "min": min(times), "max": max(times)}
+    return ModeRun(None, tail_logprobs, captured, index_copy, decode_ms)
 
+
+def untimed_row(spec, config, L):
+    """The row of a mode run once for its fidelity only (ModeSpec.time_max_length)."""
+    return {"context_len": L, "mode": spec.name, "attention": spec.attention,
+            "indexer": spec.indexer if spec.sparse else None, "timed": False,
+            "ttft_ms": None, "indexer_ms": None, "attention_ms": None, "other_ms": None,
+            "indexer_share": None, "baselines_ms": None, "decode_step_ms": None,
+            "recall": None, "iou": None, "top1_agreement": None, "logit_kl": None,
+            "top1_agreement_vs_dense": None, "logit_kl_vs_dense": None,
+            "config": _row_config(config)}
+
+
+def _row_config(config):
+    return {"top_k": config.top_k, "indexer": config.indexer,
+            "flat_index_layers": list(config.flat_index_layers),
+            "hierarchical": config.hierarchical.to_dict()}
+
+
+def mode_row(spec, config, timer, mode_run, baselines):
+    """The results row of a timed mode: TTFT (its runs' min, median, max), the split from
+    the mins of its runs and of `baselines` ({(top_k, prefill_chunk): TimedPrefill}) and
+    its decode steps (mode_run, from harvest)."""
+    ttft, L = timer.stats(), len(timer.tokens)
     keys = plan.baseline_keys(config, spec.sparse)
     other_ms = min(baselines[keys[-1]].times)
     window_ms = min(baselines[keys[0]].times) if spec.sparse else ttft["min"]
     indexer_ms = ttft["min"] - window_ms
-    row = {"context_len": L, "mode": spec.name, "attention": spec.attention,
-           "indexer": spec.indexer if spec.sparse else None,
-           "ttft_ms": ttft, "indexer_ms": indexer_ms, "attention_ms": window_ms - other_ms,
-           "other_ms": other_ms, "indexer_share": indexer_ms / ttft["min"],
-           "baselines_ms": {"window_top_k": window_ms if spec.sparse else None,
-                            "window_top_1": other_ms},
-           "decode_step_ms": decode_ms, "recall": None, "iou": None,
-           "top1_agreement": None, "logit_kl": None,
-           "top1_agreement_vs_dense": None, "logit_kl_vs_dense": None,
-           "config": {"top_k": config.top_k, "indexer": config.indexer,
-                      "flat_index_layers": list(config.flat_index_layers),
-                      "hierarchical": config.hierarchical.to_dict()}}
-    return ModeRun(row, tail_logprobs, captured, prefill_cache)
+    return {"context_len": L, "mode": spec.name, "attention": spec.attention,
+            "indexer": spec.indexer if spec.sparse else None,
+            "ttft_ms": ttft, "indexer_ms": indexer_ms, "attention_ms": window_ms - other_ms,
+            "other_ms": other_ms, "indexer_share": indexer_ms / ttft["min"],
+            "baselines_ms": {"window_top_k": window_ms if spec.sparse else None,
+                             "window_top_1": other_ms},
+            "decode_step_ms": mode_run.decode_ms, "recall": None, "iou": None,
+            "top1_agreement": None, "logit_kl": None,
+            "top1_agreement_vs_dense": None, "logit_kl_vs_dense": None, "timed": True,
+            "config": _row_config(config)}
+
+
+def perplexity(tail_logprobs, tokens):
+    """exp(mean next-token NLL) over the fidelity positions: row j of `tail_logprobs` (the
+    last P positions' log-probs) predicts tokens[len - P + j + 1]; the last row predicts
+    past the text and is not counted."""
+    P, L = len(tail_logprobs), len(tokens)
+    targets = np.asarray(tokens[L - P + 1:])
+    nll = -tail_logprobs[np.arange(P - 1), targets]
+    return float(np.exp(np.mean(nll)))
+
+
+def scored_share(config, length, positions):
+    """The share of the visible keys the hierarchical stage scores exactly per query (its
+    candidate blocks over the blocks it can see: indexer.config.hierarchical_plan's budget
+    at the pass's key length), mean over the last `positions` queries and the hierarchical
+    layers; None when no layer selects hierarchically."""
+    layers = [i for i in range(config.n_layers)
+              if config.layer_is_sparse(i) and not config.layer_is_shared(i)
+              and config.layer_indexer(i) == "hierarchical"]
+    if not layers:
+        return None
+    kv_len = length_bucket(length)
+    pos = np.arange(length - positions, length)
+    shares = []
+    for i in layers:
+        h = config.layer_settings(i)
+        plan_ = hierarchical_plan(h, positions, kv_len, config.top_k, config.index_heads)
+        visible = pos // h.block_size + 1
+        shares.append(np.mean(np.minimum(visible, plan_.n_cand) / visible))
+    return float(np.mean(shares))
 
 
 def selection_overlap(config, reference, length):

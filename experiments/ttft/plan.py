@@ -42,13 +42,15 @@ class Prefill:
 @dataclasses.dataclass
 class LengthPlan:
     """modes: name -> (ModeSpec, Prefill), the reference first; baselines: (top_k,
-    prefill_chunk) -> Prefill; skipped: name -> why; decode: the decode positions."""
+    prefill_chunk) -> Prefill; skipped: name -> why; decode: the decode positions;
+    untimed: the modes run once for their fidelity only (ModeSpec.time_max_length)."""
 
     length: int
     modes: dict
     baselines: dict
     skipped: dict
     decode: range
+    untimed: frozenset = frozenset()
 
     def prefills(self):
         return [p for _, p in self.modes.values()] + list(self.baselines.values())
@@ -98,11 +100,14 @@ def plan_length(run, base_config, length, modes=None):
         planned[spec.name] = (spec, Prefill(spec.name, config, length, capacity,
                                             logits_from=length - P, capture=capture,
                                             capture_from=length - P))
+        if not spec.timed(length):
+            continue  # no split without timing
         for key in baseline_keys(config, spec.sparse):
             baselines.setdefault(key, Prefill(f"window top_k {key[0]}",
                                               window_config(config, key[0]), length, capacity))
     decode = range(length, length + run.decode_steps + 1) if run.decode_steps else range(0)
-    return LengthPlan(length, planned, baselines, skipped, decode)
+    untimed = frozenset(name for name, (spec, _) in planned.items() if not spec.timed(length))
+    return LengthPlan(length, planned, baselines, skipped, decode, untimed)
 
 
 def cache_bytes(config, capacity):
@@ -129,7 +134,8 @@ def rehearse(run, base_config, target, *, log=print):
         copy = caches.get(run.reference, 0)
         steps = [(p, "prefill", s) for p in plan.prefills()
                  for s in _runner(runners, p.config).prefill_steps(p.n, **p.kwargs())]
-        steps += [(p, "decode", s) for _, p in plan.modes.values()
+        steps += [(p, "decode", s) for name, (_, p) in plan.modes.items()
+                  if name not in plan.untimed
                   for s in _runner(runners, p.config).decode_steps(plan.decode, capacity)]
         for prefill, kind, step in steps:
             key = (prefill.config, step_key(step))

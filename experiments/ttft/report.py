@@ -6,40 +6,61 @@ matplotlib.use("Agg")  # files only; no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLUMNS = ("tokens", "mode", "TTFT ms (min; median [max])", "indexer ms", "attention ms",
-           "other ms", "indexer share", "decode ms/step", "recall", "IoU",
-           "top-1 vs ref", "KL vs ref", "top-1 vs dense")
+           "other ms", "indexer share", "decode ms/step", "scored share", "recall", "IoU",
+           "top-1 vs ref", "KL vs ref", "top-1 vs dense", "KL vs dense", "ppl vs dense")
 
 
 def _f(value, fmt):
     return "-" if value is None else format(value, fmt)
 
 
+def _pct(value):
+    return "-" if value is None else f"{100 * value:+.2f}%"
+
+
 def row_cells(r):
     if r.get("skipped"):
-        return [str(r["context_len"]), r["mode"], f"skipped: {r['skipped']}"] + [""] * 10
+        return [str(r["context_len"]), r["mode"], f"skipped: {r['skipped']}"] + \
+            [""] * (len(COLUMNS) - 3)
     t = r["ttft_ms"]
     decode = r.get("decode_step_ms")
-    return [str(r["context_len"]), r["mode"],
-            f"{t['min']:.0f}; {t['median']:.0f} [{t['max']:.0f}]",
+    ttft = "untimed (fidelity only)" if t is None else \
+        f"{t['min']:.0f}; {t['median']:.0f} [{t['max']:.0f}]"
+    return [str(r["context_len"]), r["mode"], ttft,
             _f(r["indexer_ms"], ".0f"), _f(r["attention_ms"], ".0f"), _f(r["other_ms"], ".0f"),
             _f(r["indexer_share"], ".2f"), _f(decode and decode["median"], ".2f"),
+            _f(r.get("scored_share"), ".3f"),
             _f(r["recall"], ".4f"), _f(r["iou"], ".4f"), _f(r["top1_agreement"], ".4f"),
-            _f(r["logit_kl"], ".4f"), _f(r.get("top1_agreement_vs_dense"), ".4f")]
+            _f(r["logit_kl"], ".4f"), _f(r.get("top1_agreement_vs_dense"), ".4f"),
+            _f(r.get("logit_kl_vs_dense"), ".4f"), _pct(r.get("perplexity_vs_dense"))]
+
+
+def comparison_line(c):
+    """One length of the summary: the speedup with the fidelity it was measured at."""
+    parts = [f"at {c['context_len']} tokens, TTFT({c['compare']}) / TTFT({c['reference']}) "
+             f"= {c['ttft_ratio']:.3f}",
+             f"indexer share {c['indexer_share_flat']:.2f} -> "
+             f"{c['indexer_share_hierarchical']:.2f}"]
+    if c.get("scored_share") is not None:
+        parts.append(f"scored share {c['scored_share']:.3f}")
+    if c.get("recall") is not None:
+        parts.append(f"recall {c['recall']:.4f}, IoU {c['iou']:.4f}, top-1 agreement "
+                     f"{c['top1_agreement']:.4f}, KL {c['logit_kl']:.4f} (vs {c['reference']})")
+    if c.get("top1_agreement_vs_dense") is not None:
+        parts.append(f"vs dense: top-1 {c['top1_agreement_vs_dense']:.4f}, KL "
+                     f"{c['logit_kl_vs_dense']:.4f}, perplexity "
+                     f"{_pct(c.get('perplexity_vs_dense'))} ({c['reference']}: "
+                     f"{_pct(c.get('reference_perplexity_vs_dense'))})")
+    if c.get("decode_step_ratio") is not None:
+        parts.append(f"decode step ratio {c['decode_step_ratio']:.2f}")
+    return "; ".join(parts)
 
 
 def summary_line(s):
     if s.get("context_len") is None:
         return "Summary: the reference and compare modes never ran at the same length."
-    parts = [f"at {s['context_len']} tokens, TTFT({s['compare']}) / TTFT({s['reference']}) "
-             f"= {s['ttft_ratio']:.3f}",
-             f"indexer share {s['indexer_share_flat']:.2f} -> "
-             f"{s['indexer_share_hierarchical']:.2f}"]
-    if s.get("recall") is not None:
-        parts.append(f"recall {s['recall']:.4f}, top-1 agreement {s['top1_agreement']:.4f} "
-                     f"(vs {s['reference']})")
-    if s.get("decode_step_ratio") is not None:
-        parts.append(f"decode step ratio {s['decode_step_ratio']:.2f}")
-    return "Summary: " + "; ".join(parts) + "."
+    lines = [comparison_line(c) for c in s.get("per_length") or [s]]
+    return "Summary: " + ".\n         ".join(lines) + "."
 
 
 def markdown(results):
@@ -64,11 +85,23 @@ def markdown(results):
               "| tokens | mode | baseline window top_k ms | baseline window top_k=1 ms |",
               "|---|---|---:|---:|"]
     for r in results["runs"]:
-        if not r.get("skipped"):
+        if not r.get("skipped") and r.get("ttft_ms") is not None:
             b = r.get("baselines_ms") or {}
             lines.append(f"| {r['context_len']} | {r['mode']} | "
                          f"{_f(b.get('window_top_k'), '.0f')} | "
                          f"{_f(b.get('window_top_1'), '.0f')} |")
+    p = results.get("projection")
+    if p and p.get("rows"):
+        from experiments.ttft.projection import validation_text
+
+        lines += ["", f"Projection (the plot's right panel; a prediction of the cost model, "
+                      f"not a measurement): {p['setup']}. Validation error of the cost model's "
+                      f"run of record ({p['validation_record']}): {validation_text(p)}.", "",
+                  "| model | tokens | flat TTFT s | hierarchical TTFT s | flat / hierarchical |",
+                  "|---|---:|---:|---:|---:|"]
+        lines += [f"| {r['model']} | {r['length']} | {r['flat_ttft_s']:.1f} | "
+                  f"{r['hierarchical_ttft_s']:.1f} | "
+                  f"{r['flat_ttft_s'] / r['hierarchical_ttft_s']:.2f}x |" for r in p["rows"]]
     lines += ["", "How each figure is measured:", ""]
     lines += [f"- {name}: {text}." for name, text in results["method"].items()]
     lines += ["", "![TTFT and its split](ttft.png)", ""]
@@ -76,20 +109,28 @@ def markdown(results):
 
 
 def plot(results, path):
-    """TTFT vs length per mode (left); the split of each run, modes side by side (right)."""
-    runs = [r for r in results["runs"] if not r.get("skipped")]
+    """TTFT vs length per mode, each point labelled with its fidelity against the reference
+    (left); the split of each timed run, modes side by side (middle); the cost model's
+    projection for the full DSA models on 8 x H200, labelled as one (right)."""
+    runs = [r for r in results["runs"] if not r.get("skipped") and r.get("ttft_ms")]
     modes = list(dict.fromkeys(r["mode"] for r in runs))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    fig, (left, right, proj) = plt.subplots(1, 3, figsize=(19, 5.5))
     for mode in modes:
-        pts = sorted((r["context_len"], r["ttft_ms"]["min"] / 1000, r.get("recall"))
-                     for r in runs if r["mode"] == mode)
+        pts = sorted((r["context_len"], r["ttft_ms"]["min"] / 1000, r) for r in runs
+                     if r["mode"] == mode)
         left.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
-        for x, y, recall in pts:  # fidelity beside speed: recall vs the reference
-            if recall is not None:
-                left.annotate(f"recall {recall:.3f}", (x, y), textcoords="offset points",
-                              xytext=(5, -10), fontsize=7)
+        for x, y, r in pts:  # fidelity beside speed
+            label = []
+            if r.get("recall") is not None:
+                label.append(f"recall {r['recall']:.3f}, top-1 {r['top1_agreement']:.3f}")
+            if r.get("perplexity_vs_dense") is not None:
+                label.append(f"ppl vs dense {_pct(r['perplexity_vs_dense'])}")
+            if label:
+                left.annotate("\n".join(label), (x, y), textcoords="offset points",
+                              xytext=(5, -18), fontsize=7)
     left.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="TTFT (s, fastest run)",
-             title="Time to first token")
+             title="Time to first token (measured), fidelity vs " +
+                   results["config"].get("reference", "the reference"))
     left.legend()
     lengths = sorted({r["context_len"] for r in runs})
     width = 0.8 / max(1, len(modes))
@@ -111,7 +152,29 @@ def plot(results, path):
     right.set(xlabel="context tokens", ylabel="seconds",
               title="Prefill split (indexer / attention / other)")
     right.legend()
+    _projection_panel(proj, results.get("projection"))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _projection_panel(ax, p):
+    from experiments.ttft.projection import validation_text
+
+    if not p or not p.get("rows"):
+        ax.text(0.5, 0.5, "projection unavailable", ha="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return
+    for model in dict.fromkeys(r["model"] for r in p["rows"]):
+        rows = sorted((r for r in p["rows"] if r["model"] == model), key=lambda r: r["length"])
+        xs = [r["length"] for r in rows]
+        line, = ax.plot(xs, [r["flat_ttft_s"] for r in rows], marker="o", linestyle="--",
+                        label=f"{model} flat")
+        ax.plot(xs, [r["hierarchical_ttft_s"] for r in rows], marker="s", color=line.get_color(),
+                label=f"{model} hierarchical")
+    ax.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="TTFT (s, predicted)",
+           title="PROJECTION, not measured: cost model, 8 x H200")
+    ax.text(0.02, 0.98, "cost model's validation error (" + validation_text(p) + ")",
+            transform=ax.transAxes, fontsize=7, va="top", wrap=True)
+    ax.legend(fontsize=7, loc="lower right")

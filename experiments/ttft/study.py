@@ -14,9 +14,13 @@ from experiments.evaluation.metrics import pair_metrics
 from experiments.ttft import plan
 from experiments.ttft.measure import (
     TimedPrefill,
-    finish_mode,
+    harvest,
+    mode_row,
+    perplexity,
+    scored_share,
     selection_overlap,
     time_interleaved,
+    untimed_row,
 )
 from model import (
     ModelRunner,
@@ -133,14 +137,24 @@ def _out_of_memory(error):
     return isinstance(error, MemoryError) or "RESOURCE_EXHAUSTED" in str(error)
 
 
-def compare(run, runs, model_config, random_weights):
-    """Fills each row's fidelity figures from the ModeRuns of one length (in place)."""
+def compare(run, runs, model_config, random_weights, tokens):
+    """Fills each row's fidelity figures from the ModeRuns of one length (in place):
+    against the reference and against dense, perplexity over the fidelity positions, and
+    the hierarchical stage's scored share."""
     ref = runs.get(run.reference)
     dense = next((r for name, r in runs.items() if run.mode(name).attention == "dense"), None)
+    for mode_run in runs.values():
+        if not random_weights and mode_run.tail_logprobs is not None:
+            mode_run.row["perplexity"] = perplexity(mode_run.tail_logprobs, tokens)
     for name, mode_run in runs.items():
         row, spec = mode_run.row, run.mode(name)
+        if spec.sparse:
+            row["scored_share"] = scored_share(spec.model_config(model_config), len(tokens),
+                                               run.fidelity_positions)
         if random_weights or mode_run.tail_logprobs is None:
             continue
+        if dense is not None and mode_run is not dense:
+            row["perplexity_vs_dense"] = row["perplexity"] / dense.row["perplexity"] - 1
         if ref is not None and name != run.reference:
             pair = pair_metrics(ref.tail_logprobs, mode_run.tail_logprobs)
             row.update(top1_agreement=pair["agreement"], logit_kl=pair["kl_mean"])
@@ -153,25 +167,38 @@ def compare(run, runs, model_config, random_weights):
                        logit_kl_vs_dense=pair["kl_mean"])
 
 
-def summary(run, rows):
-    """The comparison at the longest length where the reference and compare modes ran."""
-    done = {(r["context_len"], r["mode"]): r for r in rows if not r.get("skipped")}
-    lengths = [L for L in sorted(run.lengths, reverse=True)
-               if (L, run.reference) in done and (L, run.compare) in done]
-    if not lengths:
-        return {"context_len": None, "ttft_ratio": None, "indexer_share_flat": None,
-                "indexer_share_hierarchical": None, "recall": None, "top1_agreement": None}
-    ref, cmp = done[(lengths[0], run.reference)], done[(lengths[0], run.compare)]
+def _comparison(run, L, ref, cmp):
     decode = None
     if ref.get("decode_step_ms") and cmp.get("decode_step_ms"):
         decode = cmp["decode_step_ms"]["median"] / ref["decode_step_ms"]["median"]
-    return {"context_len": lengths[0], "reference": run.reference, "compare": run.compare,
+    return {"context_len": L, "reference": run.reference, "compare": run.compare,
             "ttft_ratio": cmp["ttft_ms"]["min"] / ref["ttft_ms"]["min"],
             "ttft_ratio_median": cmp["ttft_ms"]["median"] / ref["ttft_ms"]["median"],
             "indexer_share_flat": ref["indexer_share"],
             "indexer_share_hierarchical": cmp["indexer_share"],
-            "recall": cmp["recall"], "top1_agreement": cmp["top1_agreement"],
-            "decode_step_ratio": decode}
+            "recall": cmp["recall"], "iou": cmp["iou"],
+            "top1_agreement": cmp["top1_agreement"], "logit_kl": cmp["logit_kl"],
+            "top1_agreement_vs_dense": cmp.get("top1_agreement_vs_dense"),
+            "logit_kl_vs_dense": cmp.get("logit_kl_vs_dense"),
+            "perplexity_vs_dense": cmp.get("perplexity_vs_dense"),
+            "reference_perplexity_vs_dense": ref.get("perplexity_vs_dense"),
+            "scored_share": cmp.get("scored_share"), "decode_step_ratio": decode}
+
+
+def summary(run, rows):
+    """The comparison at the longest length where the reference and compare modes were
+    timed, and the same figures at every such length (`per_length`)."""
+    done = {(r["context_len"], r["mode"]): r for r in rows
+            if not r.get("skipped") and r.get("ttft_ms") is not None}
+    lengths = [L for L in sorted(run.lengths, reverse=True)
+               if (L, run.reference) in done and (L, run.compare) in done]
+    if not lengths:
+        return {"context_len": None, "ttft_ratio": None, "indexer_share_flat": None,
+                "indexer_share_hierarchical": None, "recall": None, "top1_agreement": None,
+                "per_length": []}
+    per_length = [_comparison(run, L, done[(L, run.reference)], done[(L, run.compare)])
+                  for L in sorted(lengths)]
+    return {**per_length[-1], "per_length": per_length}
 
 
 def _time_length(run, model, tokens, compiles, *, progress, log):
@@ -189,7 +216,7 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
         try:
             runner = ModelRunner(with_config(model, prefill.config))
             timers[name] = (spec, prefill.config, TimedPrefill(runner, tokens, prefill))
-            if run.decode_steps:
+            if run.decode_steps and name not in planned.untimed:
                 runner.compile_decode(planned.decode, prefill.capacity)
         except Exception as e:  # noqa: BLE001 - a run that does not fit is reported
             if not _out_of_memory(e):
@@ -211,22 +238,39 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
         progress(f"{length} tokens: {len(timers)} modes + {len(baselines)} baselines x "
                  f"{run.repetitions}, interleaved", advance=False)
     t0 = time.perf_counter()
-    time_interleaved([t for _, _, t in timers.values()] + list(baselines.values()),
-                     run.repetitions)
+    timed = [name for name in timers if name not in planned.untimed]
+    by_timer, runs = {id(timers[name][2]): name for name in timers}, {}
+    tally = {"timed": 0, "harvest": 0}  # XLA compiles: while timed, and while harvesting
+
+    def take(timer):  # right after a mode's last pass: keep what the figures need
+        name = by_timer.get(id(timer))
+        if name is not None:
+            tally["timed"] += compiles.take()
+            runs[name] = harvest(timers[name][0], timer, run,
+                                 keep_index=name == run.reference, decode=name in timed)
+            tally["harvest"] += compiles.take()
+
+    time_interleaved([timers[name][2] for name in timed] + list(baselines.values()),
+                     run.repetitions, after_last=take)
     wall = time.perf_counter() - t0
-    counts["compiles_while_timed"] = compiles.take()
+    counts["compiles_while_timed"] = tally["timed"] + compiles.take()
+    for name in timers.keys() - set(timed):  # once, for the fidelity figures
+        if progress:
+            progress(f"{length} tokens, {name}: one untimed pass (fidelity)", advance=False)
+        timers[name][2].time_once()
+        take(timers[name][2])
+    counts["compiles_harvest"] = tally["harvest"]
     log(f"{length:>7} XLA compiles: {counts['compiles_before_timing']} before timing (of "
         f"the length's {counts['programs']} prefill programs, those no shorter length "
         f"compiled; its decode steps; its caches'), {counts['compiles_while_timed']} while "
         f"timed")
-    runs = {}
     for name, (spec, config, timer) in timers.items():
-        if progress:
-            progress(f"{length} tokens, {spec.name}: decode steps and fidelity", advance=False)
-        runs[name] = finish_mode(spec, config, timer, run, baselines,
-                                 keep_cache=name == run.reference)
-        row = runs[name].row
-        row["wall_s"] = wall / len(timers)  # the interleaved timing, shared
+        if name not in timed:
+            runs[name].row = untimed_row(spec, config, length)
+            log(f"{length:>7} {spec.name:<22} run once, untimed (fidelity only)")
+            continue
+        runs[name].row = row = mode_row(spec, config, timer, runs[name], baselines)
+        row["wall_s"] = wall / len(timed)  # the interleaved timing (decode steps within)
         t = row["ttft_ms"]
         log(f"{length:>7} {spec.name:<22} TTFT min {t['min']:9.1f} ms, median "
             f"{t['median']:9.1f} ms (indexer share {row['indexer_share']:.2f})")
@@ -245,8 +289,9 @@ def run_study(run, model, heldout_tokens, *, random_weights, progress=None, log=
         tokens = eval_sequence(heldout_tokens, length)
         runs, length_rows, counts[length] = _time_length(run, model, tokens, compiles,
                                                          progress=progress, log=log)
-        compare(run, runs, model.config, random_weights)
-        counts[length]["compiles_fidelity_and_decode"] = compiles.take()
+        compare(run, runs, model.config, random_weights, tokens)
+        counts[length]["compiles_fidelity_and_decode"] = \
+            counts[length].pop("compiles_harvest") + compiles.take()
         rows += length_rows
         del runs
     result = summary(run, rows)

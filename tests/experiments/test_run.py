@@ -15,7 +15,7 @@ TINY = {"model": {"checkpoint": None}, "lengths": [256, 320],
         "modes": [{"name": "sparse-flat", "attention": "sparse", "indexer": "flat"},
                   {"name": "sparse-hierarchical", "attention": "sparse",
                    "indexer": "hierarchical"},
-                  {"name": "dense", "attention": "dense"}],
+                  {"name": "dense", "attention": "dense", "time_max_length": 256}],
         "repetitions": 2, "fidelity_positions": 64, "decode_steps": 2}
 RUN_KEYS = {"context_len", "mode", "ttft_ms", "indexer_ms", "attention_ms", "other_ms",
             "indexer_share", "recall", "iou", "top1_agreement", "logit_kl"}
@@ -45,7 +45,11 @@ def test_results_json_schema(tiny_results):
     # what the shorter did not (its captured last chunks and their logits rows).
     compiles = results["summary"]["compiles"]["per_length"]
     assert [c["compiles_while_timed"] for c in compiles.values()] == [0, 0]
-    for r in results["runs"]:
+    untimed = results["runs"][-1]  # dense at 320: past its time_max_length
+    assert untimed["ttft_ms"] is None and untimed["timed"] is False
+    assert untimed["top1_agreement"] is not None and untimed["perplexity"] > 1
+    assert all(r["perplexity_vs_dense"] is not None for r in results["runs"][3:5])
+    for r in results["runs"][:-1]:
         assert RUN_KEYS <= set(r)
         assert set(r["ttft_ms"]) >= {"median", "min", "max"} and len(r["ttft_ms"]["runs"]) == 2
         assert r["ttft_ms"]["min"] <= r["ttft_ms"]["median"] <= r["ttft_ms"]["max"]
@@ -58,7 +62,7 @@ def test_results_json_schema(tiny_results):
     assert flat["recall"] is None and flat["top1_agreement"] is None  # the reference itself
     assert 0 < hier["recall"] <= 1 and 0 < hier["iou"] <= hier["recall"]
     assert 0 <= hier["top1_agreement"] <= 1 and hier["logit_kl"] >= 0
-    assert dense["indexer_ms"] == 0 and dense["recall"] is None
+    assert results["runs"][2]["indexer_ms"] == 0 and dense["recall"] is None
     assert dense["top1_agreement"] is not None and flat["top1_agreement_vs_dense"] is not None
     s = results["summary"]
     assert s["context_len"] == 320
@@ -66,6 +70,8 @@ def test_results_json_schema(tiny_results):
     assert s["ttft_ratio_median"] == pytest.approx(hier["ttft_ms"]["median"]
                                                    / flat["ttft_ms"]["median"])
     assert s["recall"] == hier["recall"] and s["indexer_share_flat"] == flat["indexer_share"]
+    assert [c["context_len"] for c in s["per_length"]] == [256, 320]
+    assert 0 < s["scored_share"] == hier["scored_share"] <= 1
 
 
 def test_plan_shares_programs_across_lengths():
@@ -126,10 +132,43 @@ def test_report_and_plot_are_written(tiny_results):
 
 
 def test_default_config_loads_and_matches_the_documented_run():
+    """The default runs the real model: SmolLM2 at 4K and 8K, one round, dense timed at 4K
+    and run for its fidelity at 8K, hierarchical on a budget by length that scores at most
+    half of the keys of the fidelity positions."""
+    from experiments.ttft.measure import scored_share
+    from model.pretrained.indexer_weights import read_indexer_meta
+    from model.pretrained.registry import default_indexer_dir
+
     run = load_run_config(main_job.DEFAULT_CONFIG)
-    assert run.lengths == (8192, 16384, 32768)
+    assert run.model.pretrained == "smollm2-135m" and run.lengths == (4096, 8192)
     assert [m.name for m in run.modes] == ["sparse-flat", "sparse-hierarchical", "dense"]
-    assert run.mode("dense").max_length == 8192
+    assert run.repetitions == 1
+    dense = run.mode("dense")
+    assert dense.timed(4096) and not dense.timed(8192) and dense.max_length is None
+    base, _, _ = read_indexer_meta(default_indexer_dir("smollm2-135m"))
+    hier = run.mode("sparse-hierarchical").model_config(base)
+    # The budgets of the recall floor (0.95, the config says how they were found): about
+    # half of the keys at 8K; at 4K no budget of half the keys reaches it.
+    assert hier.hierarchical.length_budgets == ((4096, 2560), (8192, 4096))
+    assert 0.45 < scored_share(hier, 8192, run.fidelity_positions) < 0.55
+    assert 0.5 < scored_share(hier, 4096, run.fidelity_positions) < 0.75
+    small = load_run_config(pathlib.Path(main_job.DEFAULT_CONFIG).parent / "run_small.yaml")
+    assert small.model.pretrained is None and small.lengths == (8192, 16384, 32768)
+    assert small.mode("dense").max_length == 8192
+
+
+def test_untimed_modes_run_once_without_a_split():
+    """A mode past its time_max_length is planned (for its fidelity) without baselines or
+    decode steps."""
+    from model import get_config
+
+    data = {**TINY, "modes": TINY["modes"][:2] + [{"name": "dense", "attention": "dense",
+                                                    "time_max_length": 256}]}
+    run = RunConfig.from_dict(data)
+    config = get_config("tiny").replace(max_seq_len=512, prefill_chunk=128)
+    short, long = (plan.plan_length(run, config, n) for n in (256, 320))
+    assert short.untimed == frozenset() and long.untimed == {"dense"}
+    assert "dense" in long.modes and set(long.baselines) == set(short.baselines)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -142,8 +181,10 @@ def test_default_config_loads_and_matches_the_documented_run():
      "sparse-flat: HierarchicalConfig.block_size"),
 ])
 def test_bad_configs_are_usage_errors(override, message, capsys):
+    small = str(pathlib.Path(main_job.DEFAULT_CONFIG).parent / "run_small.yaml")
     with pytest.raises(SystemExit) as info:
-        main_job.main(["--set", "lengths=[256]", "--set", "fidelity_positions=64",
+        main_job.main(["--config", small, "--set", "lengths=[256]", "--set",
+                       "fidelity_positions=64",
                        "--set", "compare=sparse-flat", "--set", override])
     assert info.value.code == 2 and message in capsys.readouterr().err
 
@@ -234,3 +275,23 @@ def test_smollm2_config_modes_apply_to_the_shipped_retrofit():
 def test_every_shipped_run_config_loads(name):
     run = load_run_config(pathlib.Path(main_job.DEFAULT_CONFIG).parent / name)
     assert run.lengths and run.mode(run.reference) and run.mode(run.compare)
+
+
+@pytest.mark.slow
+def test_the_default_config_runs_end_to_end_on_shortened_inputs(tmp_path):
+    """The default main job (SmolLM2-135M with its shipped indexer, fetched on first use) on
+    two short lengths: every mode timed or run for its fidelity, the summary at both."""
+    raw = yaml.safe_load(pathlib.Path(main_job.DEFAULT_CONFIG).read_text())
+    raw.update(lengths=[1040, 1088], fidelity_positions=32, decode_steps=0)
+    next(m for m in raw["modes"] if m["name"] == "dense")["time_max_length"] = 1040
+    results = main_job.main(["--config", _config(tmp_path, raw), "--out", str(tmp_path / "o")])
+    assert results["random_weights"] is False and "smollm2-135m" in results["model"]
+    runs = {(r["context_len"], r["mode"]): r for r in results["runs"]}
+    assert runs[(1088, "dense")]["ttft_ms"] is None and runs[(1040, "dense")]["ttft_ms"]
+    for length in (1040, 1088):
+        hier = runs[(length, "sparse-hierarchical")]
+        assert 0.9 < hier["recall"] <= 1 and hier["perplexity_vs_dense"] is not None
+        assert runs[(length, "sparse-flat")]["perplexity"] > 1
+    assert [c["context_len"] for c in results["summary"]["per_length"]] == [1040, 1088]
+    assert results["projection"]["rows"]
+    assert "Projection (the plot's right panel" in (tmp_path / "o" / "report.md").read_text()

@@ -1,5 +1,7 @@
 """Hierarchical indexer: exact mode equals flat, budgets, forced blocks, padding, bounds."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -323,6 +325,29 @@ def test_budget_rules_and_call_time_checks():
         indexer.hierarchical_topk(q, w, k, 20, cfg())
     with pytest.raises(ValueError, match=r"coarse_heads \(9\) must be in \[1, index heads = 4\]"):
         indexer.hierarchical_topk(q, w, k, 4, cfg(coarse_heads=9))
+
+
+def test_a_budget_by_length_runs_the_budget_of_its_length():
+    rule = ((64, 32), (128, 48), (512, 96))
+    by_length = HierarchicalConfig(candidate_tokens=None, block_size=16, length_budgets=rule)
+    assert [by_length.budget_tokens(n) for n in (1, 64, 65, 128, 200, 512, 4096)] == [
+        32, 32, 48, 48, 96, 96, 96]
+    assert by_length.min_budget_tokens() == 32 and by_length.candidate_blocks(8) == 3
+    stored = json.loads(json.dumps(by_length.to_dict()))  # pairs come back as lists
+    assert HierarchicalConfig.from_dict(stored) == by_length
+    q, w, k = random_indexer_inputs(3, 40, 200)
+    for L, tokens in ((128, 48), (200, 96)):
+        got = indexer.hierarchical_topk(q, w, k[:L], 8, by_length, q_offset=L - 40)
+        fixed = by_length.replace(length_budgets=None, candidate_tokens=tokens)
+        want = indexer.hierarchical_topk(q, w, k[:L], 8, fixed, q_offset=L - 40)
+        np.testing.assert_array_equal(np.sort(np.asarray(got), 1), np.sort(np.asarray(want), 1))
+    with pytest.raises(ValueError, match="exactly one of candidate_tokens and coarse_keep_ratio"
+                                         r".*length_budgets=\(\(64, 32\),\)"):
+        HierarchicalConfig(length_budgets=((64, 32),))
+    with pytest.raises(ValueError, match="length_budgets must be None or"):
+        HierarchicalConfig(candidate_tokens=None, length_budgets=((128, 32), (64, 16)))
+    with pytest.raises(ValueError, match=r"length_budgets at 64 keys \(32\) must be >= top_k"):
+        indexer.hierarchical_topk(q, w, k[:64], 40, by_length, q_offset=24)
 
 
 # exact: default-tier time budget, in the slow tier

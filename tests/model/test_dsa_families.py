@@ -1,6 +1,6 @@
 """DeepSeek-V3.2 and GLM-5 loaded from Hugging Face folders in their released naming, against
 transformers' own implementation: tiny random models whose logits, indexer selections and
-greedy generations transformers recorded (experiments/crosscheck/dsa_families.py wrote the
+greedy generations transformers recorded (tests/fixtures/dsa/make_fixtures.py wrote the
 fixtures under tests/fixtures/dsa/, with torch; these tests need neither torch nor a
 network). Prompts with a near-tie at a top-k boundary were redrawn there, so the selected
 index sets can be compared exactly."""

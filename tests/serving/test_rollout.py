@@ -239,7 +239,8 @@ def test_a_canary_block_reads_case_insensitive_keys_and_sets_only_its_switches()
                                                    "model_version": "v2"})
     assert config.canary.model_overrides() == {
         "indexer": "hierarchical",
-        "hierarchical": {"candidate_tokens": 4096, "coarse_keep_ratio": None}}
+        "hierarchical": {"candidate_tokens": 4096, "coarse_keep_ratio": None,
+                         "length_budgets": None}}
     tiny = model.get_config("tiny")
     assert config.shadow_rate_for(tiny) == 0.0  # flat: nothing to watch
     assert config.canary.shadow_rate_for(tiny.replace(indexer="hierarchical")) == 0.1

@@ -19,12 +19,14 @@ def test_default_config_loads_with_the_reference_key_spellings():
     assert config.model == "default" and config.cache_size == 4096
     upper = config_from_mapping({"COARSE_THRESHOLD": 0.8, "FINE_BATCH_SIZE": 64,
                                  "GPU_UTILIZATION": 0.5, "indexer": "hierarchical"})
+    # A budget switch clears the other budgets (a model's length_budgets rule among them).
     assert upper.model_overrides() == {"indexer": "hierarchical", "hierarchical": dict(
-        coarse_keep_ratio=0.8, candidate_tokens=None, fine_batch_size=64)}
+        coarse_keep_ratio=0.8, candidate_tokens=None, length_budgets=None, fine_batch_size=64)}
     adaptive = config_from_mapping({"coarse": "learned", "coarse_mass": 0.9,
                                     "candidate_tokens": 4096})
     assert adaptive.model_overrides() == {"hierarchical": dict(
-        candidate_tokens=4096, coarse_keep_ratio=None, coarse="learned", coarse_mass=0.9)}
+        candidate_tokens=4096, coarse_keep_ratio=None, length_budgets=None, coarse="learned",
+        coarse_mass=0.9)}
 
 
 @pytest.mark.parametrize("data,says", [

@@ -1,0 +1,15 @@
+"""POST /v1/completions (OpenAI): a prompt (text, or token ids), whole or streamed."""
+
+from fastapi import APIRouter, Depends, Request
+
+from serving.routes import deps
+from serving.routes.generation import generate
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, arrival=Depends(deps.arrival),
+                      _=Depends(deps.authorized), service=Depends(deps.ready),
+                      body=Depends(deps.json_body)):
+    return await generate(service, request, body, arrival, chat=False)
