@@ -280,18 +280,18 @@ def test_every_shipped_run_config_loads(name):
 @pytest.mark.slow
 def test_the_default_config_runs_end_to_end_on_shortened_inputs(tmp_path):
     """The default main job (SmolLM2-135M with its shipped indexer, fetched on first use) on
-    two short lengths: every mode timed or run for its fidelity, the summary at both."""
+    one short length (the CI's time: about 2 minutes of compiles and passes): flat and
+    hierarchical timed, dense run once for its fidelity, the summary and the projection."""
     raw = yaml.safe_load(pathlib.Path(main_job.DEFAULT_CONFIG).read_text())
-    raw.update(lengths=[1040, 1088], fidelity_positions=32, decode_steps=0)
-    next(m for m in raw["modes"] if m["name"] == "dense")["time_max_length"] = 1040
+    raw.update(lengths=[1088], fidelity_positions=32, decode_steps=0)
+    next(m for m in raw["modes"] if m["name"] == "dense")["time_max_length"] = 1024
     results = main_job.main(["--config", _config(tmp_path, raw), "--out", str(tmp_path / "o")])
     assert results["random_weights"] is False and "smollm2-135m" in results["model"]
-    runs = {(r["context_len"], r["mode"]): r for r in results["runs"]}
-    assert runs[(1088, "dense")]["ttft_ms"] is None and runs[(1040, "dense")]["ttft_ms"]
-    for length in (1040, 1088):
-        hier = runs[(length, "sparse-hierarchical")]
-        assert 0.9 < hier["recall"] <= 1 and hier["perplexity_vs_dense"] is not None
-        assert runs[(length, "sparse-flat")]["perplexity"] > 1
-    assert [c["context_len"] for c in results["summary"]["per_length"]] == [1040, 1088]
+    runs = {r["mode"]: r for r in results["runs"]}
+    assert runs["dense"]["ttft_ms"] is None and runs["dense"]["top1_agreement"] is not None
+    hier = runs["sparse-hierarchical"]
+    assert 0.9 < hier["recall"] <= 1 and hier["perplexity_vs_dense"] is not None
+    assert runs["sparse-flat"]["perplexity"] > 1 and hier["ttft_ms"]["min"] > 0
+    assert [c["context_len"] for c in results["summary"]["per_length"]] == [1088]
     assert results["projection"]["rows"]
     assert "Projection (the plot's right panel" in (tmp_path / "o" / "report.md").read_text()
