@@ -132,7 +132,8 @@ def harvest(spec, timer, run, *, keep_index=False, decode=True):
 
 
 def untimed_row(spec, config, L):
-    """The row of a mode run once for its fidelity only (ModeSpec.time_max_length)."""
+    """The row of a mode run once for its fidelity only (ModeSpec.time_max_length); a timed
+    mode's row (mode_row) is this one with its timings filled in."""
     return {"context_len": L, "mode": spec.name, "attention": spec.attention,
             "indexer": spec.indexer if spec.sparse else None, "timed": False,
             "ttft_ms": None, "indexer_ms": None, "attention_ms": None, "other_ms": None,
@@ -157,16 +158,12 @@ def mode_row(spec, config, timer, mode_run, baselines):
     other_ms = min(baselines[keys[-1]].times)
     window_ms = min(baselines[keys[0]].times) if spec.sparse else ttft["min"]
     indexer_ms = ttft["min"] - window_ms
-    return {"context_len": L, "mode": spec.name, "attention": spec.attention,
-            "indexer": spec.indexer if spec.sparse else None,
-            "ttft_ms": ttft, "indexer_ms": indexer_ms, "attention_ms": window_ms - other_ms,
+    return {**untimed_row(spec, config, L), "timed": True, "ttft_ms": ttft,
+            "indexer_ms": indexer_ms, "attention_ms": window_ms - other_ms,
             "other_ms": other_ms, "indexer_share": indexer_ms / ttft["min"],
             "baselines_ms": {"window_top_k": window_ms if spec.sparse else None,
                              "window_top_1": other_ms},
-            "decode_step_ms": mode_run.decode_ms, "recall": None, "iou": None,
-            "top1_agreement": None, "logit_kl": None,
-            "top1_agreement_vs_dense": None, "logit_kl_vs_dense": None, "timed": True,
-            "config": _row_config(config)}
+            "decode_step_ms": mode_run.decode_ms}
 
 
 def perplexity(tail_logprobs, tokens):
