@@ -1,19 +1,21 @@
-"""The OpenAI wire format: request parsing with clear 400s, and response / chunk bodies.
+"""The OpenAI wire format: the requests as pydantic models (FastAPI validates them; a
+failure is explained by the field's `Invalid` note), errors, and response / chunk bodies.
 
-Pure functions over parsed JSON: the API module does the I/O. Every rejection is an
-APIError whose body is {"error": {"message", "type", "param", "code"}} (code: the HTTP
-status), never FastAPI's default 422.
+Every rejection is an APIError whose body is {"error": {"message", "type", "param",
+"code"}} (code: the HTTP status), never FastAPI's default 422.
 """
 
-import dataclasses
+import inspect
 import json
-import math
+from typing import Annotated, ClassVar, Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                404: "not_found_error", 500: "server_error", 503: "service_unavailable",
                504: "timeout_error", 499: "client_closed_request"}
 MAX_STOP_STRINGS = 4
-TEMPERATURE_RANGE = (0.0, 2.0)
 
 
 class APIError(Exception):
@@ -47,172 +49,237 @@ def parse_json_body(raw, content_type):
     return body
 
 
-@dataclasses.dataclass
-class GenerationParams:
-    """A validated generation request. Exactly one of prompt_text, prompt_ids, messages."""
+# ---------------------------------------------------------------------- request models
 
-    prompt_text: str | None = None
-    prompt_ids: list | None = None
-    messages: list | None = None
-    max_tokens: int | None = None  # None: the rest of the context (chat)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    stop: tuple = ()
-    seed: int | None = None
-    stream: bool = False
+class Invalid:
+    """A field's note of how its failure is told to the client: `message` formatted with
+    got (the value sent, through `shown`), type (its type's name) and index (the list
+    index the failure is at); or a callable (value, index) -> message. `required`: the
+    message when the field is missing or null."""
+
+    def __init__(self, message, *, param=None, required=None, shown=None):
+        self.message, self.param, self.required = message, param, required
+        self.shown = shown or (lambda value: value)
+
+    def explain(self, value, index):
+        if value is None and self.required:
+            return self.required
+        if callable(self.message):
+            return self.message(value, index)
+        return self.message.format(got=self.shown(value), type=type(value).__name__,
+                                   index=index)
+
+
+class Refused(ValueError):
+    """A validator's refusal, told to the client as it is (param: the field to name)."""
+
+    def __init__(self, message, param=None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+def explain(model, error, body):
+    """The APIError (400) that tells the client why `body` failed `model` (FastAPI's
+    RequestValidationError `error`): the first failure, in the order of the model's fields,
+    told by its Refused message or its field's Invalid note; a field without a note (or a
+    model without notes) gets pydantic's own words."""
+    failures = [e for e in error.errors() if tuple(e.get("loc", ()))[:1] == ("body",)]
+    if not failures:
+        return APIError(400, str(error))
+    # The endpoint's own fields (prompt, messages) first, then the shared ones in order.
+    own = inspect.get_annotations(model)
+    first = min(failures, key=lambda e: len(e["loc"]) > 1 and e["loc"][1] not in own)
+    loc = tuple(first["loc"])[1:]
+    refused = (first.get("ctx") or {}).get("error")
+    name = loc[0] if loc and isinstance(loc[0], str) else None
+    if isinstance(refused, Refused):
+        return APIError(400, refused.message, param=refused.param or name)
+    field = model.model_fields.get(name) if name else None
+    note = next((m for m in field.metadata if isinstance(m, Invalid)), None) if field else None
+    if note is None:
+        where = "; ".join(f"{'.'.join(str(x) for x in tuple(e['loc'])[1:]) or 'body'}: "
+                          f"{e['msg']}" for e in failures)
+        return APIError(400, f"invalid {model.model_config.get('title') or 'request'}: "
+                             f"{where}")
+    index = next((x for x in loc[1:] if isinstance(x, int)), None)
+    value = body.get(name) if isinstance(body, dict) else None
+    return APIError(400, note.explain(value, index), param=note.param or name)
+
+
+def _as_list(stop):
+    return [stop] if isinstance(stop, str) else stop
+
+
+def _not_supported(name):
+    return Annotated[Literal[False, 0] | None,
+                     Invalid(f"{name} is not supported by this server")]
+
+
+NonEmpty = Annotated[str, Field(min_length=1)]
+MaxTokens = Annotated[int | None, Field(ge=1),
+                      Invalid("max_tokens must be an integer >= 1, got {got!r}",
+                              param="max_tokens")]
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
-    ignore_eos: bool = False
-    model: str | None = None
 
 
-def _is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
+class SamplingRequest(BaseModel):
+    """What a completion and a chat share: the model, the length and the sampling. An
+    OpenAI field this server does not read (user, frequency_penalty, ...) is accepted and
+    ignored. Fields are in the order they are checked, so a request with several bad
+    fields is told of the first."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    default_max_tokens: ClassVar[int | None] = None  # None: the rest of the context
+
+    model: Annotated[str | None, Invalid("model must be a string, got {type}")] = None
+    max_tokens: MaxTokens = None
+    max_completion_tokens: MaxTokens = None
+    temperature: Annotated[float | None, Field(ge=0.0, le=2.0, allow_inf_nan=False),
+                           Invalid("temperature must be a number in [0, 2], got {got!r}")
+                           ] = None
+    top_p: Annotated[float | None, Field(gt=0.0, le=1.0, allow_inf_nan=False),
+                     Invalid("top_p must be a number in (0, 1], got {got!r}")] = None
+    stop: Annotated[NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP_STRINGS)]
+                    | None,
+                    Invalid(f"stop must be a non-empty string or a list of at most "
+                            f"{MAX_STOP_STRINGS} non-empty strings, got {{got!r}}",
+                            shown=_as_list)] = None
+    seed: Annotated[int | None, Invalid("seed must be an integer, got {got!r}")] = None
+    stream: Annotated[bool | None, Invalid("stream must be a boolean, got {got!r}")] = None
+    ignore_eos: Annotated[bool | None,
+                          Invalid("ignore_eos must be a boolean, got {got!r}")] = None
+    stream_options: Annotated[StreamOptions | None,
+                              Invalid("stream_options must be an object with a boolean "
+                                      "include_usage")] = None
+    n: Annotated[int | None, Field(ge=1, le=1),
+                 Invalid("n must be 1 (one completion per request), got {got!r}")] = None
+    logprobs: _not_supported("logprobs") = None
+    top_logprobs: _not_supported("top_logprobs") = None
+    echo: _not_supported("echo") = None
+    best_of: Annotated[int | None, Field(ge=1, le=1),
+                       Invalid("best_of must be 1, got {got!r}")] = None
+
+    @property
+    def length(self):
+        """max_tokens as sent (null: the rest of the context), else max_completion_tokens,
+        else the endpoint's default."""
+        if "max_tokens" in self.model_fields_set:
+            return self.max_tokens
+        if "max_completion_tokens" in self.model_fields_set:
+            return self.max_completion_tokens
+        return self.default_max_tokens
+
+    @property
+    def sampling(self):
+        """(temperature, top_p), null meaning OpenAI's default 1."""
+        return (1.0 if self.temperature is None else float(self.temperature),
+                1.0 if self.top_p is None else float(self.top_p))
+
+    @property
+    def stops(self):
+        return tuple(_as_list(self.stop) or ())
+
+    @property
+    def include_usage(self):
+        return self.stream_options is not None and self.stream_options.include_usage
 
 
-def _is_number(value):
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions: a prompt (text, a list with one text, or token ids)."""
 
+    default_max_tokens: ClassVar[int | None] = 16
 
-def _check_common(body, params, *, served_ids, default_max_tokens):
-    model = body.get("model")
-    if model is not None:
-        if not isinstance(model, str):
-            raise APIError(400, f"model must be a string, got {type(model).__name__}",
-                           param="model")
-        if model not in served_ids:
-            raise APIError(404, f"model {model!r} does not exist; this server serves "
-                                f"{sorted(served_ids)}", param="model")
-    params.model = model
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens", default_max_tokens))
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens <= 0):
-        raise APIError(400, f"max_tokens must be an integer >= 1, got {max_tokens!r}",
-                       param="max_tokens")
-    params.max_tokens = max_tokens
-    temperature = body.get("temperature", 1.0)
-    lo, hi = TEMPERATURE_RANGE
-    if temperature is None:
-        temperature = 1.0
-    if not _is_number(temperature) or not lo <= temperature <= hi:
-        raise APIError(400, f"temperature must be a number in [{lo:g}, {hi:g}], got "
-                            f"{temperature!r}", param="temperature")
-    params.temperature = float(temperature)
-    top_p = body.get("top_p", 1.0)
-    if top_p is None:
-        top_p = 1.0
-    if not _is_number(top_p) or not 0.0 < top_p <= 1.0:
-        raise APIError(400, f"top_p must be a number in (0, 1], got {top_p!r}", param="top_p")
-    params.top_p = float(top_p)
-    stop = body.get("stop")
-    if isinstance(stop, str):
-        stop = [stop]
-    if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
-                             or not all(isinstance(s, str) and s for s in stop)):
-        raise APIError(400, f"stop must be a non-empty string or a list of at most "
-                            f"{MAX_STOP_STRINGS} non-empty strings, got {stop!r}", param="stop")
-    params.stop = tuple(stop or ())
-    seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise APIError(400, f"seed must be an integer, got {seed!r}", param="seed")
-    params.seed = seed
-    for name in ("stream", "ignore_eos"):
-        value = body.get(name, False)
-        if value is None:
-            value = False
-        if not isinstance(value, bool):
-            raise APIError(400, f"{name} must be a boolean, got {value!r}", param=name)
-        setattr(params, name, value)
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False),
-                                                           bool):
-            raise APIError(400, "stream_options must be an object with a boolean "
-                                "include_usage", param="stream_options")
-        params.include_usage = options.get("include_usage", False)
-    n = body.get("n", 1)
-    if n not in (None, 1) or isinstance(n, bool):
-        raise APIError(400, f"n must be 1 (one completion per request), got {n!r}", param="n")
-    for name in ("logprobs", "top_logprobs", "echo"):
-        if body.get(name) not in (None, False, 0):
-            raise APIError(400, f"{name} is not supported by this server", param=name)
-    best_of = body.get("best_of")
-    if best_of not in (None, 1):
-        raise APIError(400, f"best_of must be 1, got {best_of!r}", param="best_of")
+    prompt: Annotated[str | list[int] | list[str],
+                      Invalid("prompt must be a string, a list with one string or a list of "
+                              "token ids, got {type}", required="prompt is required")]
 
-
-def parse_completion(body, *, served_ids, vocab_size):
-    """POST /v1/completions -> GenerationParams (max_tokens default 16)."""
-    params = GenerationParams()
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
+    @pydantic.field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise Refused("prompt must be a string, a list with one string or a list of "
+                              "token ids, got list")
+            prompt = prompt[0]
         if not prompt:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        params.prompt_text = prompt
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise APIError(400, f"prompt token ids must be in [0, {vocab_size - 1}], got "
-                                f"{bad[:5]}", param="prompt")
-        params.prompt_ids = list(prompt)
-    elif prompt is None:
-        raise APIError(400, "prompt is required", param="prompt")
-    elif isinstance(prompt, list) and not prompt:
-        raise APIError(400, "prompt must not be empty", param="prompt")
-    else:
-        raise APIError(400, "prompt must be a string, a list with one string or a list of "
-                            f"token ids, got {type(prompt).__name__}", param="prompt")
-    _check_common(body, params, served_ids=served_ids, default_max_tokens=16)
-    return params
+            raise Refused("prompt must not be empty")
+        return prompt
 
 
-def parse_chat(body, *, served_ids):
-    """POST /v1/chat/completions -> GenerationParams (max_tokens default: the rest of the
-    context)."""
-    params = GenerationParams()
-    messages = body.get("messages")
-    if messages is None:
-        raise APIError(400, "messages is required", param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages must be a non-empty list of {role, content} objects",
-                       param="messages")
-    parsed = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise APIError(400, f"messages[{i}] must be an object with a string role",
-                           param="messages")
-        content = message.get("content")
-        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-            if not all(isinstance(p, dict) and p.get("type") == "text"
-                       and isinstance(p.get("text"), str) for p in content):
-                raise APIError(400, f"messages[{i}].content parts must be text parts",
-                               param="messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content must be a string, got "
-                                f"{type(content).__name__}", param="messages")
-        parsed.append({"role": message["role"], "content": content})
-    if not any(m["content"] for m in parsed):
-        raise APIError(400, "messages are all empty", param="messages")
-    params.messages = parsed
-    _check_common(body, params, served_ids=served_ids, default_max_tokens=None)
-    return params
+def _explain_message(message, index):
+    if index is None:
+        return "messages must be a non-empty list of {role, content} objects"
+    message = message[index]
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        return f"messages[{index}] must be an object with a string role"
+    if isinstance(message.get("content"), list):
+        return f"messages[{index}].content parts must be text parts"
+    content = message.get("content")
+    return f"messages[{index}].content must be a string, got {type(content).__name__}"
 
 
-def parse_predict(body):
-    """POST /predict {"context", "query", "max_tokens"?} -> (prompt text, max_tokens)."""
-    for name in ("context", "query"):
-        if not isinstance(body.get(name), str):
-            raise APIError(400, f"{name} must be a string, got "
-                                f"{type(body.get(name)).__name__}", param=name)
-    if not body["context"] and not body["query"]:
-        raise APIError(400, "context and query are both empty", param="context")
-    max_tokens = body.get("max_tokens", 64)
-    if not _is_int(max_tokens) or max_tokens <= 0:
-        raise APIError(400, f"max_tokens must be an integer >= 1, got {max_tokens!r}",
-                       param="max_tokens")
-    return body["context"] + "\n" + body["query"], max_tokens
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[TextPart]
+
+    @property
+    def text(self):
+        return (self.content if isinstance(self.content, str)
+                else "".join(part.text for part in self.content))
+
+
+class ChatRequest(SamplingRequest):
+    """POST /v1/chat/completions: messages under the model's chat template."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1),
+                        Invalid(_explain_message, required="messages is required")]
+
+    @pydantic.field_validator("messages")
+    @classmethod
+    def _not_all_empty(cls, messages):
+        if not any(m.text for m in messages):
+            raise Refused("messages are all empty")
+        return messages
+
+    @property
+    def conversation(self):
+        """The messages as the chat template reads them: [{role, content (text)}]."""
+        return [{"role": m.role, "content": m.text} for m in self.messages]
+
+
+class PredictRequest(BaseModel):
+    """POST /predict (the reference deployment's): the context and the query, greedy."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    context: Annotated[str, Invalid("context must be a string, got {type}")]
+    query: Annotated[str, Invalid("query must be a string, got {type}")]
+    max_tokens: Annotated[int, Field(ge=1),
+                          Invalid("max_tokens must be an integer >= 1, got {got!r}")] = 64
+
+    @pydantic.model_validator(mode="after")
+    def _something_to_answer(self):
+        if not self.context and not self.query:
+            raise Refused("context and query are both empty", param="context")
+        return self
+
+    @property
+    def prompt(self):
+        return self.context + "\n" + self.query
+
+
+GREEDY = SamplingRequest(temperature=0.0)
 
 
 def check_length(prompt_tokens, max_tokens, max_context):

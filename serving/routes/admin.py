@@ -23,7 +23,7 @@ from serving.routes import deps
 class RolloutChange(pydantic.BaseModel):
     """The body of POST /admin/rollout."""
 
-    model_config = pydantic.ConfigDict(extra="forbid")
+    model_config = pydantic.ConfigDict(extra="forbid", title="rollout change")
 
     action: Literal["promote", "rollback", "set_share"]
     share: float | None = pydantic.Field(default=None, ge=0.0, le=1.0)
@@ -37,15 +37,7 @@ class RolloutChange(pydantic.BaseModel):
         return self
 
 
-def _validation_message(error):
-    parts = []
-    for e in error.errors():
-        where = ".".join(str(x) for x in e.get("loc", ())) or "body"
-        parts.append(f"{where}: {e.get('msg')}")
-    return "invalid rollout change: " + "; ".join(parts)
-
-
-router = APIRouter()
+router = APIRouter(route_class=deps.JSONRoute)
 
 
 def _rollout(service):
@@ -59,13 +51,9 @@ async def get_rollout(_=Depends(deps.admin_authorized), service=Depends(deps.ser
 
 
 @router.post("/admin/rollout")
-async def post_rollout(_=Depends(deps.admin_authorized), service=Depends(deps.service),
-                       body=Depends(deps.json_body)):
+async def post_rollout(change: RolloutChange, _=Depends(deps.admin_authorized),
+                       service=Depends(deps.service)):
     state = _rollout(service)
-    try:
-        change = RolloutChange.model_validate(body)
-    except pydantic.ValidationError as e:
-        raise APIError(400, _validation_message(e)) from None
     try:
         old, new = state.apply(change.action, change.share)
     except RolloutError as e:

@@ -2,14 +2,14 @@
 
 from fastapi import APIRouter, Depends, Request
 
+from serving.protocol import CompletionRequest
 from serving.routes import deps
 from serving.routes.generation import generate
 
-router = APIRouter()
+router = APIRouter(route_class=deps.JSONRoute)
 
 
 @router.post("/v1/completions")
-async def completions(request: Request, arrival=Depends(deps.arrival),
-                      _=Depends(deps.authorized), service=Depends(deps.ready),
-                      body=Depends(deps.json_body)):
+async def completions(request: Request, body: CompletionRequest, arrival=Depends(deps.arrival),
+                      _=Depends(deps.authorized), service=Depends(deps.ready)):
     return await generate(service, request, body, arrival, chat=False)

@@ -1,24 +1,61 @@
-"""What several endpoints check before their work, as FastAPI dependencies: the service, the
-arrival time, the API key, the admin key, readiness and the JSON body. A failed check
-raises serving.protocol.APIError (the app's handler answers it, OpenAI-shaped)."""
+"""What several endpoints check before their work: the route class of the endpoints with a
+JSON body (`JSONRoute`), and FastAPI dependencies for the service, the arrival time, the
+API key, the admin key and readiness. A failed check raises serving.protocol.APIError (the
+app's handler answers it, OpenAI-shaped)."""
 
 import hmac
+import inspect
 import time
 
+import pydantic
 from fastapi import Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 
 from serving import protocol
 from serving.protocol import APIError
 
 
+class JSONRoute(APIRoute):
+    """An endpoint whose body is a pydantic model (its parameter annotated with the model):
+    FastAPI validates the body, and this route tells a failure the OpenAI way. Before
+    FastAPI reads the body it stamps the arrival (TTFT counts from there) and answers a
+    wrong Content-Type, invalid UTF-8 or JSON, or a body that is not an object with a 400
+    of its own words; so such a body is refused before the API key is checked (FastAPI
+    reads a body before it resolves dependencies)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+        model = next((p.annotation for p in inspect.signature(self.endpoint).parameters.values()
+                      if inspect.isclass(p.annotation)
+                      and issubclass(p.annotation, pydantic.BaseModel)), None)
+
+        async def handle(request):
+            request.state.arrival = time.perf_counter()
+            body = None
+            if model is not None:
+                try:
+                    raw = await request.body()
+                except ClientDisconnect:  # hung up before its body arrived: nothing started
+                    raise APIError(499, "client closed the connection before sending its "
+                                        "request body") from None
+                body = protocol.parse_json_body(raw, request.headers.get("content-type"))
+            try:
+                return await handler(request)
+            except RequestValidationError as e:
+                raise protocol.explain(model, e, body) from None
+
+        return handle
+
+
 def service(request: Request):
     return request.app.state.service
 
 
-def arrival():
-    """The request's arrival time (TTFT counts from here): resolved before any check."""
-    return time.perf_counter()
+def arrival(request: Request):
+    """The request's arrival time (stamped by JSONRoute before the body is read)."""
+    return request.state.arrival
 
 
 def _bearer_matches(request, key):
@@ -52,14 +89,3 @@ def ready(svc=Depends(service)):
     """503 until the model is loaded and warmed up, and while draining."""
     svc.require_ready()
     return svc
-
-
-async def json_body(request: Request):
-    """The request body as a JSON object (400 on a wrong content type or bad JSON; 499 when
-    the client hung up before sending it)."""
-    try:
-        raw = await request.body()
-    except ClientDisconnect:  # hung up before its body arrived: nothing was started
-        raise APIError(499, "client closed the connection before sending its request "
-                            "body") from None
-    return protocol.parse_json_body(raw, request.headers.get("content-type"))

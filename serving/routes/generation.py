@@ -67,13 +67,14 @@ class Generation:
         self.queue = asyncio.Queue()
         tokenizer = service.loaded.tokenizer
         seed = params.seed if params.seed is not None else secrets.randbits(31)
+        temperature, top_p = params.sampling
         stop_ids = frozenset() if params.ignore_eos else tokenizer.stop_ids
         self.request = EngineRequest(
             id=rid, prompt=np.asarray(prompt_ids, np.int32), max_tokens=max_tokens,
             deliver=lambda event: loop.call_soon_threadsafe(self.queue.put_nowait, event),
-            sampling=Sampling(params.temperature, params.top_p, seed), stop_token_ids=stop_ids,
+            sampling=Sampling(temperature, top_p, seed), stop_token_ids=stop_ids,
             timeout_s=service.config.request_timeout_s, arrival=arrival, variant=index)
-        self.text = TextStream(tokenizer, params.stop)
+        self.text = TextStream(tokenizer, params.stops)
         self.ttft = None
         self.finish_reason = None
         self.status = 200
@@ -148,7 +149,7 @@ def route(service, request, body, rid):
     X-Request-Id, the body's `user`, or the server's id `rid` (serving.rollout)."""
     if service.rollout is None:
         return "baseline", None
-    user = body.get("user") if isinstance(body, dict) else None
+    user = getattr(body, "user", None)
     key = request.headers.get("x-request-id") or (user if isinstance(user, str) and user
                                                   else rid)
     forced = request.headers.get("x-dosa-side")
@@ -175,22 +176,28 @@ def side_headers(gen, **more):
 
 
 async def generate(service, request, body, arrival, *, chat):
-    """POST /v1/completions or /v1/chat/completions: parse, admit, answer."""
+    """POST /v1/completions or /v1/chat/completions (`body`: a validated CompletionRequest
+    or ChatRequest): check what needs the served model, admit, answer."""
     tokenizer = service.loaded.tokenizer
+    if body.model is not None and body.model != service.model_id:
+        raise APIError(404, f"model {body.model!r} does not exist; this server serves "
+                            f"{[service.model_id]}", param="model")
     if chat:
-        params = protocol.parse_chat(body, served_ids={service.model_id})
-        text = render_chat(tokenizer, service.model_id, params.messages)
+        text = render_chat(tokenizer, service.model_id, body.conversation)
         prompt_ids = tokenizer.encode(text, bos=None)
+    elif isinstance(body.prompt, str):
+        prompt_ids = tokenizer.encode(body.prompt, bos=None)
     else:
-        params = protocol.parse_completion(body, served_ids={service.model_id},
-                                           vocab_size=tokenizer.vocab_size)
-        prompt_ids = (params.prompt_ids if params.prompt_ids is not None
-                      else tokenizer.encode(params.prompt_text, bos=None))
-    gen = admit(service, prompt_ids, params.max_tokens, params, arrival,
+        bad = [t for t in body.prompt if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token ids must be in [0, {tokenizer.vocab_size - 1}], "
+                                f"got {bad[:5]}", param="prompt")
+        prompt_ids = body.prompt
+    gen = admit(service, prompt_ids, body.length, body, arrival,
                 "chatcmpl" if chat else "cmpl", request, body)
     created = int(time.time())
-    if params.stream:
-        return StreamingResponse(stream(service, gen, params, chat, created),
+    if body.stream:
+        return StreamingResponse(stream(service, gen, body, chat, created),
                                  media_type="text/event-stream",
                                  headers=side_headers(gen, **{"Cache-Control": "no-cache"}))
     text = await collect(service, gen, request)
@@ -200,7 +207,7 @@ async def generate(service, request, body, arrival, *, chat):
     return JSONResponse(answer, headers=side_headers(gen))
 
 
-async def stream(service, gen, params, chat, created):
+async def stream(service, gen, body, chat, created):
     """The SSE chunks of `gen`; an engine error after the headers goes in-stream."""
     rid, model_id = gen.rid, service.model_id
     finished = False
@@ -217,7 +224,7 @@ async def stream(service, gen, params, chat, created):
                 rid, model_id, created, chat=chat, text="" if not chat else None,
                 role="assistant" if chat and first else None,
                 finish_reason=gen.finish_reason) | fp)
-            if params.include_usage:
+            if body.include_usage:
                 yield protocol.sse(protocol.chunk_body(rid, model_id, created, chat=chat,
                                                        usage=gen.usage()) | fp)
         except protocol.APIError as e:  # headers are out: the error goes in-stream
