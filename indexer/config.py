@@ -13,7 +13,7 @@ HEAD_SELECT_KINDS = ("max_abs_weight", "first")
 COARSE_KINDS = ("mean", "learned")
 _INT_MAX = 1 << 30
 # Fast ranking (HierarchicalConfig.fast_ranking) halves a score window this many times
-# (indexer.hierarchical.threshold_topk): scores closer than (row max - row min) x 2^-20 to
+# (indexer.scoring.threshold_topk): scores closer than (row max - row min) x 2^-20 to
 # the k-th may be swapped, finer than packing a column into a score's low bits did (11
 # mantissa bits at 4096 columns).
 FAST_RANKING_ROUNDS = 20
@@ -118,7 +118,7 @@ class HierarchicalConfig(FrozenConfig):
       in exact mode by the upper bound; this finds blocks whose mean hides one outstanding
       token (a "needle").
     fast_ranking: in approximate mode, rank each query's candidate tokens by a threshold
-      instead of lax.top_k (hierarchical.threshold_topk: on CPU 2x faster than a sort of
+      instead of lax.top_k (scoring.threshold_topk: on CPU 2x faster than a sort of
       packed keys at 4096 columns, 2-3.4x than lax.top_k read newest first past them;
       scores within (row max - row min) x 2^-20 of the k-th may swap places;
       the tokens are not ordered best first). Exact mode never does.
@@ -302,6 +302,26 @@ def hierarchical_plan(config, T, L, top_k, H):
                         for f in config.mass_buckets})
         buckets = tuple((m, min(nb, max(m, math.ceil(n_union * m / n_cand)))) for m in sizes)
     return HierarchicalPlan(tile, chunk, -(-T // chunk), nb, n_cand, n_union, own, buckets)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatConfig(FrozenConfig):
+    """Settings of the flat selection (every earlier token scored, top_k kept).
+
+    fast_ranking: rank each query's scores by a threshold (indexer.scoring.threshold_topk,
+      as HierarchicalConfig.fast_ranking does for its candidates) instead of lax.top_k.
+      XLA sorts for lax.top_k on a CPU: 1024 rows of 8192 scores took 262 ms there, the
+      threshold 183 ms (4096: 186 / 74 ms). Scores within (row max - row min) x 2^-20 of
+      the k-th may swap places, and the indices are not best first. Off by default: flat is
+      the exact reference; the TTFT study turns it on for flat and hierarchical alike, so
+      their ratio is not a sort against a threshold."""
+
+    fast_ranking: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.fast_ranking, bool):
+            raise ValueError(f"FlatConfig.fast_ranking must be true or false, got "
+                             f"{self.fast_ranking!r}")
 
 
 @dataclasses.dataclass(frozen=True)

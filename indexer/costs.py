@@ -218,7 +218,7 @@ def hierarchical_ops(s, T, p0, kv_len, skip):
     width = n_cand * B if own else n_union * B
     if own:
         ops.append(memory_op("indexer", "own candidates", T * width * F32 * 3))
-    if c.fast_ranking and not c.exact:  # hierarchical.threshold_topk
+    if c.fast_ranking and not c.exact:  # scoring.threshold_topk
         ops.append(Op("indexer", "rank", "select", elements=T * max(width, s.top_k)))
     else:
         ops.append(_topk("rank", T, width, s.top_k))

@@ -38,8 +38,9 @@ from indexer.candidates import (
     tile_candidate_union,
 )
 from indexer.coarse_screen import mass_budget, screen_block_scores
-from indexer.config import FAST_RANKING_ROUNDS, HierarchicalConfig, hierarchical_plan
+from indexer.config import HierarchicalConfig, hierarchical_plan
 from indexer.exact import block_upper_bounds, refine_exact
+from indexer.scoring import threshold_topk
 
 __all__ = ["coarse_block_scores", "fine_topk", "hierarchical_topk",
            "hierarchical_topk_with_stats", "select_candidate_blocks"]
@@ -75,52 +76,6 @@ def coarse_block_scores(q, w, summaries, *, block_size, q_offset=0, q_positions=
                                          key_block_size=block_size, backend=backend)
     visible = visible_blocks(_positions(T, q_offset, q_positions), summaries, block_size)
     return jnp.where(visible, scores, -jnp.inf)
-
-
-def threshold_topk(scores, top_k, rounds=FAST_RANKING_ROUNDS):
-    """The top_k of each row by a threshold instead of a sort: `rounds` halvings of
-    [row min, row max] find a window [lo, hi] that holds the k-th largest score; every
-    score above hi is kept, then scores in the window in column order (the lower column
-    first, as lax.top_k breaks ties) until k are kept. Scores closer than (max - min) x
-    2^-rounds to the k-th may be swapped for each other; the set is otherwise
-    lax.top_k's. Returns (values, columns): those above the window in column order, then
-    the window's (not best first); -inf and column 0 past the row's finite scores. On the
-    2-core CPU, 1024 rows of 4096 / 5120 columns, top 1024: 25 / 38 ms, where one sort of
-    packed keys took 50 ms (4096) and lax.top_k read newest first 126 ms (5120)
-    (experiments.benchmarks.ranking; docs/findings.md, "Ranking by a threshold")."""
-    T, C = scores.shape
-    scores = scores.astype(jnp.float32)
-    finite = scores > -jnp.inf
-    any_finite = jnp.any(finite, axis=1, keepdims=True)
-    lo = jnp.where(any_finite, jnp.min(jnp.where(finite, scores, jnp.inf), axis=1,
-                                       keepdims=True), 0.0)
-    hi = jnp.where(any_finite, jnp.max(scores, axis=1, keepdims=True), 0.0)
-
-    def halve(_, window):  # invariant: fewer than top_k scores above hi
-        lo, hi = window
-        mid = lo + (hi - lo) * 0.5
-        enough = jnp.sum(scores >= mid, axis=1, keepdims=True) >= top_k
-        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
-
-    lo, hi = jax.lax.fori_loop(0, rounds, halve, (lo, hi))
-    above = scores > hi
-    window = (scores >= lo) & ~above & finite
-    if C < 1 << 16:  # one cumulative sum counts both kinds: above in the low 16 bits
-        counts = jnp.cumsum(above.astype(jnp.uint32) | (window.astype(jnp.uint32) << 16),
-                            axis=1)
-        n_above, n_window = (counts & 0xFFFF).astype(jnp.int32), (counts >> 16).astype(jnp.int32)
-    else:
-        n_above = jnp.cumsum(above, axis=1, dtype=jnp.int32)
-        n_window = jnp.cumsum(window, axis=1, dtype=jnp.int32)
-    slot = jnp.where(above, n_above - 1,
-                     jnp.where(window, n_above[:, -1:] + n_window - 1, top_k))
-    cols = jnp.full((T, top_k + 1), C, jnp.int32).at[
-        jnp.arange(T)[:, None], jnp.minimum(slot, top_k)].set(
-        jnp.arange(C, dtype=jnp.int32)[None], mode="drop")[:, :top_k]
-    kept = cols < C
-    cols = jnp.where(kept, cols, 0)
-    values = jnp.where(kept, jnp.take_along_axis(scores, cols, axis=1), -jnp.inf)
-    return values, cols
 
 
 def fine_topk(q, w, k, block_table, top_k, *, block_size, q_offset=0, candidates=None,

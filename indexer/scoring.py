@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from indexer.config import FAST_RANKING_ROUNDS
 
 # Queries scored per step when the caller does not say. The xla path writes its per-head
 # logits [rows, H_I, L] f32 (and their ReLU) before summing the heads, so on CPU small steps
@@ -42,6 +43,52 @@ def topk_indices(scores, top_k):
     return jnp.where(jnp.isfinite(values), idx, -1).astype(jnp.int32)
 
 
+def threshold_topk(scores, top_k, rounds=FAST_RANKING_ROUNDS):
+    """The top_k of each row by a threshold instead of a sort: `rounds` halvings of
+    [row min, row max] find a window [lo, hi] that holds the k-th largest score; every
+    score above hi is kept, then scores in the window in column order (the lower column
+    first, as lax.top_k breaks ties) until k are kept. Scores closer than (max - min) x
+    2^-rounds to the k-th may be swapped for each other; the set is otherwise
+    lax.top_k's. Returns (values, columns): those above the window in column order, then
+    the window's (not best first); -inf and column 0 past the row's finite scores. On the
+    2-core CPU, 1024 rows of 4096 / 5120 columns, top 1024: 25 / 38 ms, where one sort of
+    packed keys took 50 ms (4096) and lax.top_k read newest first 126 ms (5120)
+    (experiments.benchmarks.ranking; docs/findings.md, "Ranking by a threshold")."""
+    T, C = scores.shape
+    scores = scores.astype(jnp.float32)
+    finite = scores > -jnp.inf
+    any_finite = jnp.any(finite, axis=1, keepdims=True)
+    lo = jnp.where(any_finite, jnp.min(jnp.where(finite, scores, jnp.inf), axis=1,
+                                       keepdims=True), 0.0)
+    hi = jnp.where(any_finite, jnp.max(scores, axis=1, keepdims=True), 0.0)
+
+    def halve(_, window):  # invariant: fewer than top_k scores above hi
+        lo, hi = window
+        mid = lo + (hi - lo) * 0.5
+        enough = jnp.sum(scores >= mid, axis=1, keepdims=True) >= top_k
+        return jnp.where(enough, mid, lo), jnp.where(enough, hi, mid)
+
+    lo, hi = jax.lax.fori_loop(0, rounds, halve, (lo, hi))
+    above = scores > hi
+    window = (scores >= lo) & ~above & finite
+    if C < 1 << 16:  # one cumulative sum counts both kinds: above in the low 16 bits
+        counts = jnp.cumsum(above.astype(jnp.uint32) | (window.astype(jnp.uint32) << 16),
+                            axis=1)
+        n_above, n_window = (counts & 0xFFFF).astype(jnp.int32), (counts >> 16).astype(jnp.int32)
+    else:
+        n_above = jnp.cumsum(above, axis=1, dtype=jnp.int32)
+        n_window = jnp.cumsum(window, axis=1, dtype=jnp.int32)
+    slot = jnp.where(above, n_above - 1,
+                     jnp.where(window, n_above[:, -1:] + n_window - 1, top_k))
+    cols = jnp.full((T, top_k + 1), C, jnp.int32).at[
+        jnp.arange(T)[:, None], jnp.minimum(slot, top_k)].set(
+        jnp.arange(C, dtype=jnp.int32)[None], mode="drop")[:, :top_k]
+    kept = cols < C
+    cols = jnp.where(kept, cols, 0)
+    values = jnp.where(kept, jnp.take_along_axis(scores, cols, axis=1), -jnp.inf)
+    return values, cols
+
+
 def signless_zeros(scores):
     """-0.0 -> 0.0. lax.top_k orders -0.0 below 0.0, and which sign a zero score gets
     (ReLU'd heads times negative weights) depends on the summation order, so a score
@@ -69,9 +116,12 @@ def _check_query_chunk(query_chunk):
         raise ValueError(f"query_chunk must be None or a positive int, got {query_chunk!r}")
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "query_chunk", "backend"))
-def flat_topk(q, w, k, top_k, *, q_offset=0, query_chunk=None, backend=None):
-    """Exact top_k keys per query by flat index scores -> i32[T, top_k], best first.
+@functools.partial(jax.jit, static_argnames=("top_k", "query_chunk", "backend",
+                                             "fast_ranking"))
+def flat_topk(q, w, k, top_k, *, q_offset=0, query_chunk=None, backend=None,
+              fast_ranking=False):
+    """Exact top_k keys per query by flat index scores -> i32[T, top_k], best first
+    (fast_ranking: by threshold_topk, near-ties either way, not best first).
 
     Scores query chunks of `query_chunk` rows at a time (None: default_query_chunk), so
     memory is O(query_chunk * L), never [T, L]. -1 where fewer than top_k keys are visible
@@ -83,15 +133,23 @@ def flat_topk(q, w, k, top_k, *, q_offset=0, query_chunk=None, backend=None):
         query_chunk = default_query_chunk(k.shape[0], q.shape[1], backend)
 
     def one_chunk(first_row, qc, wc):
-        return topk_indices(index_scores(qc, wc, k, q_offset=q_offset + first_row,
-                                         backend=backend), top_k)
+        scores = index_scores(qc, wc, k, q_offset=q_offset + first_row, backend=backend)
+        if not fast_ranking:
+            return topk_indices(scores, top_k)
+        if top_k > scores.shape[1]:
+            scores = jnp.pad(scores, ((0, 0), (0, top_k - scores.shape[1])),
+                             constant_values=-jnp.inf)
+        values, cols = threshold_topk(signless_zeros(scores), top_k)
+        return jnp.where(values > -jnp.inf, cols, -1).astype(jnp.int32)
 
     return pallas_kernels.map_query_rows(one_chunk, query_chunk, (q, w))
 
 
 def flat_select(q, w, k, top_k, *, q_offset, config=None, summaries=None, screen=None):
-    """The "flat" selection kind (indexer.selection): flat_topk."""
-    return flat_topk(q, w, k, top_k, q_offset=q_offset)
+    """The "flat" selection kind (indexer.selection): flat_topk, ranked as `config` (a
+    FlatConfig; None: lax.top_k) says."""
+    return flat_topk(q, w, k, top_k, q_offset=q_offset,
+                     fast_ranking=config is not None and config.fast_ranking)
 
 
 def window_select(q, w, k, top_k, *, q_offset, config=None, summaries=None, screen=None):

@@ -37,7 +37,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable
 
-from indexer.config import HierarchicalConfig, Offered
+from indexer.config import FlatConfig, HierarchicalConfig, Offered
 from indexer.costs import flat_ops, hierarchical_ops, oracle_ops, streaming_ops, window_ops
 
 
@@ -92,7 +92,7 @@ class SelectionKind:
 SELECTIONS = {kind.name: kind for kind in (
     SelectionKind("flat", "indexer.scoring:flat_select",
                   "exact top_k of the lightning indexer's scores over every earlier token",
-                  flat_ops),
+                  flat_ops, config=FlatConfig),
     SelectionKind("hierarchical", "indexer.hierarchical:hierarchical_select",
                   "coarse-to-fine: score key blocks, then tokens inside the best blocks",
                   hierarchical_ops, config=HierarchicalConfig,

@@ -15,6 +15,16 @@ def length_bucket(n, minimum=MIN_BUCKET):
     return max(minimum, 1 << (int(n) - 1).bit_length())
 
 
+def cache_positions(capacity, *, exact=False):
+    """Positions of a cache made to hold `capacity`: its power-of-two bucket (caches of
+    many sizes share programs), or, `exact`, `capacity` rounded up to a multiple of
+    MIN_BUCKET, for a caller whose caches all have one capacity (the TTFT study: 8197
+    positions are 8448, not 16384)."""
+    if exact:
+        return -(-int(capacity) // MIN_BUCKET) * MIN_BUCKET
+    return length_bucket(capacity)
+
+
 class Chunk(NamedTuple):
     """One step of a chunked prefill: tokens[offset:offset + length] at `position`, padded
     to `padded` rows, reading keys [0, kv_len) of the cache."""

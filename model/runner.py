@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from model import sharding
-from model.buckets import chunk_plan, length_bucket
+from model.buckets import cache_positions, chunk_plan, length_bucket
 from model.cache import cache_capacity, cache_shapes, init_cache, init_sharded_cache
 from model.sampling import sample_token, validate_sampling
 from model.sequence_parallel import SequenceParallel
@@ -153,13 +153,13 @@ class ModelRunner:
                            **self._static)
 
     def _plan(self, n, *, capacity=None, chunk=None, start=0, logits_from=None, capture=(),
-              capture_from=None, cache_capacity=None):
+              capture_from=None, exact=False, cache_capacity=None):
         """(cache capacity, [(chunk, all_logits, capture kinds, logits rows (first, count) or
         None, captured rows (a slice) or None)]) of a prefill of n tokens with these
         arguments (cache_capacity: an existing cache's)."""
         chunk, capture, capture_from, logits_from = self._check(n, chunk, start, capture,
                                                                 capture_from, logits_from)
-        cap = cache_capacity or length_bucket(capacity or (start + n))
+        cap = cache_capacity or cache_positions(capacity or (start + n), exact=exact)
         plan = []
         for c in chunk_plan(n, start=start, capacity=cap, chunk=chunk):
             all_logits, kinds = self._chunk_outputs(c, logits_from, capture, capture_from)
@@ -196,22 +196,21 @@ class ModelRunner:
             compiled = self.lower_step(*step).compile()
             if step[5]:  # all_logits: the step's logits, as its output gives them
                 out = compiled.out_info[0]
-                logits[step[0].shape[0]] = jax.ShapeDtypeStruct(
-                    out.shape, out.dtype, sharding=compiled.output_shardings[0])
-        pieces = []
-        for c, _, _, rows, _ in plan:
-            if rows is not None:
-                piece = _rows.lower(logits[c.padded], *rows).compile()
-                pieces.append(jax.ShapeDtypeStruct(piece.out_info.shape, piece.out_info.dtype,
-                                                   sharding=piece.output_shardings))
+                logits[step[0].shape[0]] = jax.device_put(jnp.zeros(out.shape, out.dtype),
+                                                          compiled.output_shardings[0])
+        # The row gathers run on stand-ins rather than compile ahead: a call fills jit's
+        # dispatch cache, which an ahead-of-time compile of these small programs does not
+        # (the prefill's first call would compile them, while timed).
+        pieces = [_rows(logits[c.padded], *rows) for c, _, _, rows, _ in plan
+                  if rows is not None]
         if pieces:
-            _concat.lower(pieces).compile()
+            jax.block_until_ready(_concat(pieces))
         return len(steps)
 
-    def decode_steps(self, positions, capacity):
-        """The distinct steps of decoding at `positions` in a cache of `capacity`, as
-        lower_step's arguments."""
-        cap = length_bucket(capacity)
+    def decode_steps(self, positions, capacity, *, exact=False):
+        """The distinct steps of decoding at `positions` in a cache made for `capacity`
+        (new_cache's), as lower_step's arguments."""
+        cap = cache_positions(capacity, exact=exact)
         cache = self.abstract_cache(cap)
         first = {}  # kv_len -> the first position that reads it
         for p in positions:
@@ -225,9 +224,9 @@ class ModelRunner:
             return cache_shapes(self.config, capacity, self.mesh)
         return jax.eval_shape(lambda: init_cache(self.config, capacity))
 
-    def compile_decode(self, positions, capacity):
+    def compile_decode(self, positions, capacity, *, exact=False):
         """Compiles the decode steps at `positions` (decode_steps') -> their number."""
-        steps = self.decode_steps(positions, capacity)
+        steps = self.decode_steps(positions, capacity, exact=exact)
         for step in steps:
             self.lower_step(*step).compile()
         return len(steps)
@@ -260,23 +259,27 @@ class ModelRunner:
         array under a mesh, which jit places on the mesh (the same on every process)."""
         return np.asarray(tokens) if self.mesh is not None else jax.device_put(tokens)
 
-    def new_cache(self, capacity):
+    def new_cache(self, capacity, *, exact=False):
+        """An empty cache for `capacity` positions: model.buckets.cache_positions(capacity,
+        exact=exact) long."""
         if capacity > self.config.max_seq_len:
             raise ValueError(f"context of {capacity} tokens exceeds max_seq_len="
                              f"{self.config.max_seq_len}")
+        positions = cache_positions(capacity, exact=exact)
         if self.mesh is not None:
-            return init_sharded_cache(self.config, length_bucket(capacity), self.mesh)
-        return init_cache(self.config, length_bucket(capacity))
+            return init_sharded_cache(self.config, positions, self.mesh)
+        return init_cache(self.config, positions)
 
     def prefill(self, tokens, *, cache=None, capacity=None, chunk=None, start=0,
-                logits_from=None, capture=(), capture_from=None):
+                logits_from=None, capture=(), capture_from=None, exact=False):
         """tokens: ints [N] at positions start..start+N-1 -> (logits, cache), or
         (logits, cache, captured) when `capture` names kinds (model.CAPTURE_KINDS).
 
         logits: f32[V] for the last position, or f32[M, V] for the M positions >=
         logits_from (logits_from=start: every position, for evaluation).
         capacity: positions the cache must hold (default N + start; generation adds room
-        for decoding). A given cache is extended in place (prefix reuse: start > 0).
+        for decoding), made new_cache(capacity, exact=exact). A given cache is extended in
+        place (prefix reuse: start > 0).
         captured: each kind as numpy arrays [n_layers, Q, ...] for the Q queries at
         positions >= capture_from (default start); chunks before it run without capture.
         ValueError on an empty prompt, a cache too small, or positions out of range.
@@ -285,7 +288,7 @@ class ModelRunner:
         n = int(tokens.shape[0])
         self._check(n, chunk, start, capture, capture_from, logits_from)
         if cache is None:
-            cache = self.new_cache(capacity or (start + n))
+            cache = self.new_cache(capacity or (start + n), exact=exact)
         cap = cache_capacity(cache)
         if start + n > cap:
             raise ValueError(f"cache holds {cap} positions, prefill needs {start + n}")

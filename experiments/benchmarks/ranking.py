@@ -12,7 +12,7 @@ invisible (-inf). Per width, interleaved rounds (median), per 1024 rows:
   packed sort        one lax.sort of int32 keys packing each score's order bits with its
                      column (the fast ranking before 2026-12-05 up to 4096 columns,
                      hierarchical.packed_topk; its ties are coarser past 4096 columns);
-  threshold          indexer.hierarchical.threshold_topk (the fast ranking now).
+  threshold          indexer.scoring.threshold_topk (the fast ranking now).
 
 Each is checked against lax.top_k: the same set, or values within the threshold's window.
 """
@@ -33,7 +33,7 @@ from experiments.common import (
     recorded_command,
     write_json,
 )
-from indexer.hierarchical import threshold_topk
+from indexer.scoring import threshold_topk
 
 ROWS = 128  # hierarchical_topk's fine_batch_size: the rows of one lax.map step
 

@@ -90,7 +90,7 @@ def measure_cpu_rates(config, repeats=3):
     import numpy as np
     from jax import lax
 
-    from indexer.hierarchical import threshold_topk
+    from indexer.scoring import threshold_topk
     from pallas_kernels.gathered_index_scores import gathered_index_scores_reference
     from pallas_kernels.index_scores import index_scores_reference
     from pallas_kernels.sparse_attention import sparse_attention_reference

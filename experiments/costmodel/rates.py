@@ -13,7 +13,7 @@ Time of one op (experiments.costmodel sums them):
               the whole op, memory traffic included;
   top-k       rows x k log2 k x topk_row + elements x topk_element (a partial sort: a
               per-row cost growing with k, plus a pass over the row);
-  select      elements x select_element (hierarchical.threshold_topk: a fixed number of
+  select      elements x select_element (scoring.threshold_topk: a fixed number of
               passes over the row; GPUs: the top-k element rate, not measured);
   sort        elements x sort_element + elements x log2(row) x sort_log;
   memory      bytes / bandwidth;   comm: bytes / interconnect bandwidth.

@@ -70,18 +70,19 @@ class TimedPrefill:
         self.keep_output = keep_output
         self.programs = runner.compile_prefill(len(tokens), **prefill.kwargs())
         # The cache's fill programs and the first token's row compile here, not while timed.
-        jax.block_until_ready(runner.new_cache(prefill.capacity))
+        jax.block_until_ready(runner.new_cache(prefill.capacity, exact=True))
         if prefill.logits_from is not None:
             rows = len(tokens) - prefill.logits_from
             placed = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if runner.mesh is None
                       else jax.sharding.NamedSharding(runner.mesh, jax.sharding.PartitionSpec()))
-            _last_row.lower(jax.ShapeDtypeStruct((rows, runner.config.vocab_size), jnp.float32,
-                                                 sharding=placed)).compile()
+            # Run on a stand-in, not compiled ahead: see ModelRunner.compile_prefill.
+            jax.block_until_ready(_last_row(jax.device_put(
+                jnp.zeros((rows, runner.config.vocab_size), jnp.float32), placed)))
         self.times, self.out = [], None
 
     def time_once(self):
         self.out = None  # the previous pass's cache is freed before the next one
-        cache = jax.block_until_ready(self.runner.new_cache(self.prefill.capacity))
+        cache = jax.block_until_ready(self.runner.new_cache(self.prefill.capacity, exact=True))
         t0 = time.perf_counter()
         out = self.runner.prefill(self.tokens, cache=cache, **self.prefill.kwargs())
         last = _last_row(out[0]) if self.prefill.logits_from is not None else out[0]

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from model import ModelRunner
-from model.buckets import length_bucket
+from model.buckets import cache_positions
 from model.cache import init_cache
 from model.runner import step_key
 
@@ -35,7 +35,7 @@ class Prefill:
     capture_from: int | None = None
 
     def kwargs(self):
-        return dict(capacity=self.capacity, logits_from=self.logits_from,
+        return dict(capacity=self.capacity, exact=True, logits_from=self.logits_from,
                     capture=self.capture, capture_from=self.capture_from)
 
 
@@ -57,7 +57,8 @@ class LengthPlan:
 
 
 def study_capacity(run):
-    """Positions of every cache of the study: the longest prefill and its decode steps."""
+    """Positions every cache of the study holds: the longest prefill and its decode steps
+    (made exact: model.buckets.cache_positions rounds 8197 to 8448, not 16384)."""
     return max(run.lengths) + run.decode_steps + 1
 
 
@@ -82,10 +83,11 @@ def plan_length(run, base_config, length, modes=None):
     to plan (default every mode of the run; the study passes those that compiled, for the
     baselines)."""
     capacity, P = study_capacity(run), run.fidelity_positions
-    if length_bucket(capacity) > base_config.max_seq_len:
+    if cache_positions(capacity, exact=True) > base_config.max_seq_len:
         raise ValueError(f"the study's caches hold {capacity} positions (its longest length "
                          f"{max(run.lengths)}, {run.decode_steps} decode steps and one more), "
-                         f"{length_bucket(capacity)} as allocated, over the model's "
+                         f"{cache_positions(capacity, exact=True)} as allocated, over the "
+                         f"model's "
                          f"max_seq_len={base_config.max_seq_len}: raise max_seq_len or "
                          f"shorten the lengths")
     planned, skipped, baselines = {}, {}, {}
@@ -111,7 +113,7 @@ def plan_length(run, base_config, length, modes=None):
 
 
 def cache_bytes(config, capacity):
-    cache = jax.eval_shape(lambda: init_cache(config, capacity))
+    cache = jax.eval_shape(lambda: init_cache(config, cache_positions(capacity, exact=True)))
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(cache))
 
 
@@ -136,7 +138,8 @@ def rehearse(run, base_config, target, *, log=print):
                  for s in _runner(runners, p.config).prefill_steps(p.n, **p.kwargs())]
         steps += [(p, "decode", s) for name, (_, p) in plan.modes.items()
                   if name not in plan.untimed
-                  for s in _runner(runners, p.config).decode_steps(plan.decode, capacity)]
+                  for s in _runner(runners, p.config).decode_steps(plan.decode, capacity,
+                                                                   exact=True)]
         for prefill, kind, step in steps:
             key = (prefill.config, step_key(step))
             if key in seen:

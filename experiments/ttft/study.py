@@ -8,7 +8,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from experiments.common import CompileCounter, display_path
+from experiments.common import CompileCounter, display_path, release_programs
 from experiments.data import Corpus, eval_sequence
 from experiments.evaluation.metrics import pair_metrics
 from experiments.ttft import plan
@@ -40,9 +40,10 @@ METHOD = {
             "a compile-only warm-up (every program compiled once, before its first length "
             "is timed: the compiles while timed are counted, 0); every prefill into a fresh "
             "cache of the study's one capacity (the longest length and its decode steps), "
-            "allocated before the clock starts; every mode and baseline of a length timed "
-            "interleaved (each repetition runs each once); min and median over the "
-            "repetitions, ratios and the split from the min",
+            "allocated before the clock starts; with several repetitions every mode and "
+            "baseline of a length timed interleaved (each repetition runs each once), with "
+            "one each timed right after its warm-up and its programs freed after it; min "
+            "and median over the repetitions, ratios and the split from the min",
     "split": "TTFT differences of the same model (mins), baselines measured once per length: "
              "indexer = TTFT - TTFT with indexer='window' (each query reads the top_k tokens "
              "before it: the same attention, no selection scoring); attention = that window "
@@ -202,64 +203,107 @@ def summary(run, rows):
 
 
 def _time_length(run, model, tokens, compiles, *, progress, log):
-    """Compiles every program of one length not compiled before (plan.plan_length: every
-    mode and the baselines of their split, their decode steps), times them interleaved,
-    finishes each -> (ModeRuns by name, every mode's row, reference first, the compile
-    counts)."""
-    length, timers = len(tokens), {}
+    """Compiles every program of one length (plan.plan_length: every mode and the baselines
+    of their split, their decode steps), times them, finishes each -> (ModeRuns by name,
+    every mode's row, reference first, the compile counts).
+
+    With several repetitions, every program is compiled first and the rounds are
+    interleaved (measure.time_interleaved). With one, nothing is gained by holding every
+    program at once, so each mode and baseline in turn is compiled, timed once, finished
+    and its programs freed (release_programs): the study holds one mode's programs, not
+    all of them (an executable of SmolLM2's 30 layers holds 0.1-0.2 GB, and XLA keeps what
+    it ran with), and a program the next one shares comes back from the persistent
+    compilation cache, not a compile."""
+    length = len(tokens)
     planned = plan.plan_length(run, model.config, length)
     skipped = {name: _skipped(length, run.mode(name), why)
                for name, why in planned.skipped.items()}
-    for name, (spec, prefill) in planned.modes.items():
+    timed = [name for name in planned.modes if name not in planned.untimed]
+    counts = {"programs": 0, "compiles_before_timing": 0, "compiles_while_timed": 0,
+              "compiles_harvest": 0}
+    timers, runs = {}, {}
+
+    def make(name):  # a mode's TimedPrefill, compiled (None: it does not fit)
+        spec, prefill = planned.modes[name]
         if progress:
             progress(f"{length} tokens, {name}: compiling")
         try:
             runner = ModelRunner(with_config(model, prefill.config))
-            timers[name] = (spec, prefill.config, TimedPrefill(runner, tokens, prefill))
+            timer = TimedPrefill(runner, tokens, prefill)
             if run.decode_steps and name not in planned.untimed:
-                runner.compile_decode(planned.decode, prefill.capacity)
+                runner.compile_decode(planned.decode, prefill.capacity, exact=True)
         except Exception as e:  # noqa: BLE001 - a run that does not fit is reported
             if not _out_of_memory(e):
                 raise
             skipped[name] = _skipped(length, spec, f"out of memory: {str(e)[:200]}")
             log(f"{length:>7} {name:<22} skipped: out of memory")
-    baselines = {}
-    for key, prefill in plan.plan_length(run, model.config, length, modes=timers).baselines \
-            .items():
+            return None
+        timers[name] = (spec, prefill.config, timer)
+        counts["programs"] += timer.programs
+        return timer
+
+    def make_baseline(key, prefill):
         if progress:
             progress(f"{length} tokens, window baseline (top_k {key[0]}): compiling",
                      advance=False)
-        runner = ModelRunner(with_config(model, prefill.config))
-        baselines[key] = TimedPrefill(runner, tokens, prefill, keep_output=False)
-    counts = {"programs": sum(t.programs for _, _, t in timers.values())
-              + sum(t.programs for t in baselines.values()),
-              "compiles_before_timing": compiles.take()}
-    if progress:
-        progress(f"{length} tokens: {len(timers)} modes + {len(baselines)} baselines x "
-                 f"{run.repetitions}, interleaved", advance=False)
-    t0 = time.perf_counter()
-    timed = [name for name in timers if name not in planned.untimed]
-    by_timer, runs = {id(timers[name][2]): name for name in timers}, {}
-    tally = {"timed": 0, "harvest": 0}  # XLA compiles: while timed, and while harvesting
+        timer = TimedPrefill(ModelRunner(with_config(model, prefill.config)), tokens, prefill,
+                             keep_output=False)
+        counts["programs"] += timer.programs
+        return timer
 
     def take(timer):  # right after a mode's last pass: keep what the figures need
         name = by_timer.get(id(timer))
         if name is not None:
-            tally["timed"] += compiles.take()
+            counts["compiles_while_timed"] += compiles.take()
             runs[name] = harvest(timers[name][0], timer, run,
                                  keep_index=name == run.reference, decode=name in timed)
-            tally["harvest"] += compiles.take()
+            counts["compiles_harvest"] += compiles.take()
 
-    time_interleaved([timers[name][2] for name in timed] + list(baselines.values()),
-                     run.repetitions, after_last=take)
+    t0 = time.perf_counter()
+    if run.repetitions > 1:
+        for name in planned.modes:
+            make(name)
+        baselines = {key: make_baseline(key, prefill) for key, prefill in plan.plan_length(
+            run, model.config, length, modes=timers).baselines.items()}
+        counts["compiles_before_timing"] += compiles.take()
+        by_timer = {id(t): name for name, (_, _, t) in timers.items()}
+        if progress:
+            progress(f"{length} tokens: {len(timers)} modes + {len(baselines)} baselines x "
+                     f"{run.repetitions}, interleaved", advance=False)
+        t0 = time.perf_counter()
+        time_interleaved([timers[name][2] for name in timed if name in timers]
+                         + list(baselines.values()), run.repetitions, after_last=take)
+    else:
+        by_timer, baselines = {}, {}
+
+        def once(timer):
+            counts["compiles_before_timing"] += compiles.take()
+            timer.time_once()
+            take(timer)
+            counts["compiles_while_timed"] += compiles.take()
+            release_programs()
+
+        for name in timed:
+            if (timer := make(name)) is not None:
+                by_timer[id(timer)] = name
+                once(timer)
+        for key, prefill in plan.plan_length(run, model.config, length,
+                                             modes=timers).baselines.items():
+            baselines[key] = timer = make_baseline(key, prefill)
+            once(timer)
     wall = time.perf_counter() - t0
-    counts["compiles_while_timed"] = tally["timed"] + compiles.take()
-    for name in timers.keys() - set(timed):  # once, for the fidelity figures
+    counts["compiles_while_timed"] += compiles.take()
+    for name in [n for n in planned.modes if n not in timed]:  # once, for the fidelity figures
+        timer = timers[name][2] if name in timers else make(name)
+        if timer is None:
+            continue
+        by_timer[id(timer)] = name
         if progress:
             progress(f"{length} tokens, {name}: one untimed pass (fidelity)", advance=False)
-        timers[name][2].time_once()
-        take(timers[name][2])
-    counts["compiles_harvest"] = tally["harvest"]
+        counts["compiles_before_timing"] += compiles.take()
+        timer.time_once()
+        take(timer)
+        release_programs()
     log(f"{length:>7} XLA compiles: {counts['compiles_before_timing']} before timing (of "
         f"the length's {counts['programs']} prefill programs, those no shorter length "
         f"compiled; its decode steps; its caches'), {counts['compiles_while_timed']} while "
@@ -270,7 +314,8 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
             log(f"{length:>7} {spec.name:<22} run once, untimed (fidelity only)")
             continue
         runs[name].row = row = mode_row(spec, config, timer, runs[name], baselines)
-        row["wall_s"] = wall / len(timed)  # the interleaved timing (decode steps within)
+        # The length's timing per mode (decode steps within; with one repetition, compiles too).
+        row["wall_s"] = wall / len(timed)
         t = row["ttft_ms"]
         log(f"{length:>7} {spec.name:<22} TTFT min {t['min']:9.1f} ms, median "
             f"{t['median']:9.1f} ms (indexer share {row['indexer_share']:.2f})")

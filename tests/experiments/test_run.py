@@ -235,6 +235,26 @@ def test_h200_config_is_v32_shaped_with_four_layers():
                                        "layers": []}})
 
 
+@pytest.mark.slow
+def test_one_repetition_times_each_mode_after_its_own_warm_up(tmp_path):
+    """With one repetition each mode and baseline is compiled, timed once and its programs
+    freed before the next (study._time_length): still nothing compiles while timed, the
+    split is complete and the study's caches are as long as it needs (8197 positions ->
+    8448, not the 16384 of their power-of-two bucket)."""
+    from model.buckets import cache_positions
+
+    data = {**TINY, "lengths": [256], "repetitions": 1}
+    results = main_job.main(["--config", _config(tmp_path, data), "--out",
+                             str(tmp_path / "out")])
+    counts = results["summary"]["compiles"]["per_length"]["256"]
+    assert counts["compiles_while_timed"] == 0 and counts["compiles_before_timing"] > 0
+    for row in results["runs"]:
+        assert row["ttft_ms"]["min"] > 0 and len(row["ttft_ms"]["runs"]) == 1
+        assert row["other_ms"] == row["baselines_ms"]["window_top_1"] > 0
+    assert [cache_positions(n, exact=True) for n in (8197, 256, 257)] == [8448, 256, 512]
+    assert cache_positions(8197) == 16384
+
+
 def test_timing_is_interleaved_round_by_round():
     from experiments.ttft.measure import time_interleaved
 

@@ -12,7 +12,7 @@ from indexer import HierarchicalConfig
 from indexer.block_summaries import block_summaries
 from indexer.candidates import forced_blocks, table_slots, tile_candidate_union
 from indexer.exact import block_upper_bounds
-from indexer.hierarchical import threshold_topk
+from indexer.scoring import threshold_topk
 from tests.helpers import brute_force_scores, random_indexer_inputs
 
 

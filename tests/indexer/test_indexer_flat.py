@@ -77,3 +77,36 @@ def test_flat_topk_chunking_does_not_change_the_selection():
         default, np.asarray(indexer.flat_topk(q, w, k, 24, q_offset=230, query_chunk=512)))
     with pytest.raises(ValueError, match="query_chunk"):
         indexer.flat_topk(q, w, k, 24, query_chunk=0)
+
+
+@pytest.mark.parametrize("T,L,top_k,q_offset,chunk", [
+    (50, 50, 8, 0, 16), (33, 300, 32, 267, 7), (20, 64, 64, 10, 512), (3, 10, 16, 0, 2),
+])
+def test_flat_fast_ranking_keeps_the_same_set(T, L, top_k, q_offset, chunk):
+    """FlatConfig.fast_ranking (threshold_topk): lax.top_k's set, -1 padding last."""
+    from indexer.config import FlatConfig
+    from indexer.scoring import flat_select
+
+    q, w, k = random_indexer_inputs(7 * T + L + 1, T, L)
+    exact = np.asarray(indexer.flat_topk(q, w, k, top_k, q_offset=q_offset, query_chunk=chunk))
+    fast = np.asarray(indexer.flat_topk(q, w, k, top_k, q_offset=q_offset, query_chunk=chunk,
+                                        fast_ranking=True))
+    via_kind = np.asarray(flat_select(q, w, k, top_k, q_offset=q_offset,
+                                      config=FlatConfig(fast_ranking=True)))
+    assert fast.shape == exact.shape and fast.dtype == np.int32
+    for t in range(T):
+        visible = int((exact[t] >= 0).sum())
+        assert (fast[t, visible:] == -1).all() and (fast[t, :visible] >= 0).all()
+        assert set(fast[t].tolist()) == set(exact[t].tolist()) == set(via_kind[t].tolist())
+
+
+def test_flat_config_is_the_flat_kinds_settings():
+    from indexer.config import FlatConfig
+    from indexer.selection import selection_kind
+    from model import get_config
+
+    assert selection_kind("flat").config is FlatConfig
+    config = get_config("tiny").with_settings("flat", fast_ranking=True)
+    assert config.settings("flat") == FlatConfig(fast_ranking=True)
+    with pytest.raises(ValueError, match="FlatConfig.fast_ranking must be true or false"):
+        FlatConfig(fast_ranking="yes")
