@@ -196,16 +196,29 @@ class ModelRunner:
             compiled = self.lower_step(*step).compile()
             if step[5]:  # all_logits: the step's logits, as its output gives them
                 out = compiled.out_info[0]
-                logits[step[0].shape[0]] = jax.device_put(jnp.zeros(out.shape, out.dtype),
+                logits[step[0].shape[0]] = self.stand_ins(out.shape, out.dtype,
                                                           compiled.output_shardings[0])
         # The row gathers run on stand-ins rather than compile ahead: a call fills jit's
         # dispatch cache, which an ahead-of-time compile of these small programs does not
         # (the prefill's first call would compile them, while timed).
-        pieces = [_rows(logits[c.padded], *rows) for c, _, _, rows, _ in plan
-                  if rows is not None]
-        if pieces:
-            jax.block_until_ready(_concat(pieces))
+        for variant in range(len(next(iter(logits.values()), ()))):
+            pieces = [_rows(logits[c.padded][variant], *rows) for c, _, _, rows, _ in plan
+                      if rows is not None]
+            if pieces:
+                jax.block_until_ready(_concat(pieces))
         return len(steps)
+
+    def stand_ins(self, shape, dtype, sharding=None):
+        """Zeros placed as this runner's step outputs may be (uncommitted and committed to
+        the device; on a mesh by `sharding`, default replicated): what a warm-up call of a
+        program that takes a step's output runs on, so that jit's dispatch cache holds the
+        program the real call looks up (its key tells the two apart, and whether a step's
+        output is committed depends on how the loader placed the parameters)."""
+        zeros = jnp.zeros(shape, dtype)
+        if self.mesh is not None:
+            return [jax.device_put(zeros, sharding or jax.sharding.NamedSharding(
+                self.mesh, jax.sharding.PartitionSpec()))]
+        return [zeros, jax.device_put(zeros, jax.devices()[0])]
 
     def decode_steps(self, positions, capacity, *, exact=False):
         """The distinct steps of decoding at `positions` in a cache made for `capacity`

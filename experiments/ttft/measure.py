@@ -72,12 +72,11 @@ class TimedPrefill:
         # The cache's fill programs and the first token's row compile here, not while timed.
         jax.block_until_ready(runner.new_cache(prefill.capacity, exact=True))
         if prefill.logits_from is not None:
-            rows = len(tokens) - prefill.logits_from
-            placed = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if runner.mesh is None
-                      else jax.sharding.NamedSharding(runner.mesh, jax.sharding.PartitionSpec()))
-            # Run on a stand-in, not compiled ahead: see ModelRunner.compile_prefill.
-            jax.block_until_ready(_last_row(jax.device_put(
-                jnp.zeros((rows, runner.config.vocab_size), jnp.float32), placed)))
+            # Run on a stand-in placed as the prefill's logits are, not compiled ahead: see
+            # ModelRunner.compile_prefill.
+            for stand_in in runner.stand_ins((len(tokens) - prefill.logits_from,
+                                              runner.config.vocab_size), jnp.float32):
+                jax.block_until_ready(_last_row(stand_in))
         self.times, self.out = [], None
 
     def time_once(self):
