@@ -201,11 +201,12 @@ class ModelRunner:
         # The row gathers run on stand-ins rather than compile ahead: a call fills jit's
         # dispatch cache, which an ahead-of-time compile of these small programs does not
         # (the prefill's first call would compile them, while timed).
-        for variant in range(len(next(iter(logits.values()), ()))):
-            pieces = [_rows(logits[c.padded][variant], *rows) for c, _, _, rows, _ in plan
-                      if rows is not None]
-            if pieces:
-                jax.block_until_ready(_concat(pieces))
+        pieces = {}  # placement -> the row pieces of every chunk with logits
+        for c, _, _, rows, _ in plan:
+            for placement, stand_in in enumerate(logits.get(c.padded, ()) if rows else ()):
+                pieces.setdefault(placement, []).append(_rows(stand_in, *rows))
+        for placed in pieces.values():
+            jax.block_until_ready(_concat(placed))
         return len(steps)
 
     def stand_ins(self, shape, dtype, sharding=None):

@@ -221,7 +221,7 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
     timed = [name for name in planned.modes if name not in planned.untimed]
     counts = {"programs": 0, "compiles_before_timing": 0, "compiles_while_timed": 0,
               "compiles_harvest": 0}
-    timers, runs = {}, {}
+    timers, runs, by_timer = {}, {}, {}  # by_timer: id(a mode's TimedPrefill) -> its name
 
     def make(name):  # a mode's TimedPrefill, compiled (None: it does not fit)
         spec, prefill = planned.modes[name]
@@ -238,7 +238,7 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
             skipped[name] = _skipped(length, spec, f"out of memory: {str(e)[:200]}")
             log(f"{length:>7} {name:<22} skipped: out of memory")
             return None
-        timers[name] = (spec, prefill.config, timer)
+        timers[name], by_timer[id(timer)] = (spec, prefill.config, timer), name
         counts["programs"] += timer.programs
         return timer
 
@@ -266,7 +266,6 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
         baselines = {key: make_baseline(key, prefill) for key, prefill in plan.plan_length(
             run, model.config, length, modes=timers).baselines.items()}
         counts["compiles_before_timing"] += compiles.take()
-        by_timer = {id(t): name for name, (_, _, t) in timers.items()}
         if progress:
             progress(f"{length} tokens: {len(timers)} modes + {len(baselines)} baselines x "
                      f"{run.repetitions}, interleaved", advance=False)
@@ -274,7 +273,7 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
         time_interleaved([timers[name][2] for name in timed if name in timers]
                          + list(baselines.values()), run.repetitions, after_last=take)
     else:
-        by_timer, baselines = {}, {}
+        baselines = {}
 
         def once(timer):
             counts["compiles_before_timing"] += compiles.take()
@@ -285,7 +284,6 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
 
         for name in timed:
             if (timer := make(name)) is not None:
-                by_timer[id(timer)] = name
                 once(timer)
         for key, prefill in plan.plan_length(run, model.config, length,
                                              modes=timers).baselines.items():
@@ -297,7 +295,6 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
         timer = timers[name][2] if name in timers else make(name)
         if timer is None:
             continue
-        by_timer[id(timer)] = name
         if progress:
             progress(f"{length} tokens, {name}: one untimed pass (fidelity)", advance=False)
         counts["compiles_before_timing"] += compiles.take()
