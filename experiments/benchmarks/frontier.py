@@ -21,19 +21,22 @@ and each budget rule:
   `exact=true`), one row per scorer, rule NAME (another `block_size`: the mean scorer's
   row only, on block summaries of that size; the learned screens fit the base's blocks).
 
-Exact flat paths: flat top-k (one ranking per row of scores) and the streaming selection
-(indexer.streaming: key tiles of --streaming-tiles, a running top-k, no score matrix; its
-rows say whether it matched flat index for index). --reuse PATTERN,...: selection reuse
-across layers (ModelConfig.indexer_types; freqN keeps layers 0, N, 2N, ... or an F/S string,
-F runs its indexer, S reuses the nearest earlier F layer's selection), one row per pattern
-and exact path or fixed budget: a shared layer costs nothing and its recall is its source
-layer's selection against the shared layer's *own* flat top-k. Recall is against flat top-k
-on the same inputs, averaged over layers; speedup is the fastest exact flat path's time over
-the row's, both summed over layers. ceiling: the best recall any choice of that many blocks
-reaches (indexer.block_recall_ceiling), per fixed budget; mass and ratio rows
-give the candidate blocks they kept and ran at; "scored" is the share of the visible blocks
-scored exactly per query (exact mode's rescoring included: where exact mode prunes).
-Writes OUT/frontier.json, OUT/frontier.md, OUT/frontier.png (--out, default runs/frontier/).
+Exact flat paths: flat top-k (one ranking per row of scores, lax.top_k), flat ranked by
+threshold (--flat-threshold, on by default: FlatConfig.fast_ranking, no sort; near-ties either
+way, so its recall may sit a hair under 1) and the streaming selection (indexer.streaming: key
+tiles of --streaming-tiles, a running top-k, no score matrix; its rows say whether it matched
+flat index for index). --reuse PATTERN,...: selection reuse across layers
+(ModelConfig.indexer_types; freqN keeps layers 0, N, 2N, ... or an F/S string, F runs its
+indexer, S reuses the nearest earlier F layer's selection), one row per pattern and exact path
+or fixed budget: a shared layer costs nothing and its recall is its source layer's selection
+against the shared layer's *own* flat top-k. Recall is against flat top-k on the same inputs,
+averaged over layers; speedup is the fastest exact flat path's time over the row's, both summed
+over layers. ceiling: the best recall any choice of that many blocks reaches
+(indexer.block_recall_ceiling), per fixed budget; mass and ratio rows give the candidate blocks
+they kept and ran at; "scored" is the share of the visible blocks scored exactly per query
+(exact mode's rescoring included: where exact mode prunes).
+--offset N reads each length's window from held-out token N on (another window of the same
+text). Writes OUT/frontier.json, OUT/frontier.md, OUT/frontier.png (--out, default runs/frontier/).
 """
 
 import argparse
@@ -107,6 +110,9 @@ def bench_layer(q, w, k, top_k, q_offset, runs, screen, args):
                  for size in {args.block_size, *(cfg.block_size for *_, cfg in runs.values())}}
     fns = {"flat": lambda: indexer.flat_topk(q, w, k, top_k, q_offset=q_offset,
                                              query_chunk=args.flat_chunk)}
+    if args.flat_threshold:
+        fns["flat/threshold"] = lambda: indexer.flat_topk(
+            q, w, k, top_k, q_offset=q_offset, query_chunk=args.flat_chunk, fast_ranking=True)
     for tile in args.streaming_tiles:
         fns[f"streaming/{tile}"] = (lambda t: lambda: streaming_topk(
             q, w, k, top_k, q_offset=q_offset, key_tile=t, query_chunk=args.flat_chunk))(tile)
@@ -118,6 +124,9 @@ def bench_layer(q, w, k, top_k, q_offset, runs, screen, args):
     times = median_interleaved(fns, args.repeats)
     flat = outs["flat"]
     res = {"flat_s": times["flat"]}
+    if args.flat_threshold:
+        res["flat/threshold"] = dict(time_s=times["flat/threshold"],
+                                     recall=indexer.recall(outs["flat/threshold"], flat))
     for tile in args.streaming_tiles:
         name = f"streaming/{tile}"
         res[name] = dict(time_s=times[name], equal=bool(np.array_equal(outs[name], flat)),
@@ -169,15 +178,19 @@ def reuse_rows(L, per_layer, selections, runs, patterns, config, fastest_s):
 
 def summarize(L, per_layer, runs, tiles):
     flat_s = sum(r["flat_s"] for r in per_layer)
-    exact = {"flat": flat_s} | {f"streaming/{t}": sum(r[f"streaming/{t}"]["time_s"]
-                                                       for r in per_layer) for t in tiles}
+    # the exact flat paths other than flat's own lax.top_k: (name, method, rule, knob)
+    paths = ([("flat/threshold", "flat", "threshold", None)] if "flat/threshold" in per_layer[0]
+             else []) + [(f"streaming/{t}", "streaming", "key tile", t) for t in tiles]
+    exact = {"flat": flat_s} | {name: sum(r[name]["time_s"] for r in per_layer)
+                                for name, *_ in paths}
     fastest = min(exact, key=exact.get)
-    rows = [dict(name=f"streaming/{t}", method="streaming", rule="key tile", knob=t, length=L,
-                 hierarchical_s=exact[f"streaming/{t}"],
-                 speedup=exact[fastest] / exact[f"streaming/{t}"],
-                 recall=float(np.mean([r[f"streaming/{t}"]["recall"] for r in per_layer])),
-                 equal=all(r[f"streaming/{t}"]["equal"] for r in per_layer),
-                 kept_blocks=None, run_blocks=None, scored=1.0, ceiling=None) for t in tiles]
+    rows = [dict(name=name, method=method, rule=rule, knob=knob, length=L,
+                 hierarchical_s=exact[name], speedup=exact[fastest] / exact[name],
+                 recall=float(np.mean([r[name]["recall"] for r in per_layer])),
+                 kept_blocks=None, run_blocks=None, scored=1.0, ceiling=None)
+            | ({"equal": all(r[name]["equal"] for r in per_layer)} if method == "streaming"
+               else {})
+            for name, method, rule, knob in paths]
     for name, (method, rule, knob, cfg) in runs.items():
         hier_s = sum(r[name]["time_s"] for r in per_layer)
         rows.append(dict(
@@ -233,7 +246,7 @@ def plot(result, path):
     marks = {"fixed": "o-", "mass": "s--", "ratio": "^:"}
     for ax, length in zip(axes[0], lengths):
         lines = [r for r in length["rows"] if not r.get("reuse")]
-        for method in sorted({r["method"] for r in lines} - {"streaming"}):
+        for method in sorted({r["method"] for r in lines} - {"streaming", "flat"}):
             for rule in dict.fromkeys(r["rule"] for r in lines):
                 pts = sorted((r["recall"], r["speedup"]) for r in lines
                               if r["method"] == method and r["rule"] == rule)
@@ -245,8 +258,8 @@ def plot(result, path):
                         ax.annotate(rule, (x, y), textcoords="offset points", xytext=(4, 4),
                                     fontsize=7)
         for r in length["rows"]:
-            if r["method"] == "streaming" or r.get("reuse"):
-                label = (f"streaming {r['knob']}" if not r.get("reuse") else
+            if r["method"] in ("streaming", "flat") or r.get("reuse"):
+                label = (f"{r['method']} {r['knob'] or r['rule']}" if not r.get("reuse") else
                          f"{r['method']} {r['knob'] or ''} @{r['reuse'][:8]}")
                 ax.plot(r["recall"], r["speedup"], "kx" if not r.get("reuse") else "gD")
                 ax.annotate(label, (r["recall"], r["speedup"]),
@@ -296,6 +309,12 @@ def main(argv=None):
                         "exist)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--flat-chunk", type=int, default=128)
+    p.add_argument("--flat-threshold", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time flat ranked by threshold (FlatConfig.fast_ranking: no sort, "
+                        "the default main job's flat), an exact path speedups can be against")
+    p.add_argument("--offset", type=int, default=0,
+                   help="the first held-out token of each length's window (another window "
+                        "of the same text)")
     p.add_argument("--streaming-tiles", type=parse_list(int), default=[STREAMING_KEY_TILE],
                    help="key tiles of the streaming flat selection, one row each ('' for "
                         "none)")
@@ -305,8 +324,8 @@ def main(argv=None):
                         "an F/S string per layer")
     add_out_argument(p, "frontier")
     args = p.parse_args(argv)
-    if args.queries < 1 or args.repeats < 1 or not args.lengths:
-        p.error("--queries and --repeats must be >= 1 and --lengths non-empty")
+    if args.queries < 1 or args.repeats < 1 or not args.lengths or args.offset < 0:
+        p.error("--queries and --repeats must be >= 1, --offset >= 0 and --lengths non-empty")
     if any(not 0 < m <= 1 for m in args.masses) or any(not 0 < r <= 1 for r in args.ratios):
         p.error("--masses and --ratios must be in (0, 1]")
     enable_compile_cache()
@@ -334,12 +353,14 @@ def main(argv=None):
     result = dict(
         command=recorded_command("experiments.benchmarks.frontier", argv), model=source.name,
         indexer=display_path(source.directory), indexer_sha256=source.indexer_sha256, top_k=top_k,
-        block_size=base.block_size, queries=args.queries, layers=model.config.n_layers,
+        block_size=base.block_size, queries=args.queries, offset=args.offset,
+        layers=model.config.n_layers,
         machine=machine_description(), python=platform.python_version(),
         jax=jax.__version__, base_config=base.to_dict(), lengths=[])
     for L in args.lengths:
         n = min(args.queries, L)
-        layers = model_indexer_inputs(model, eval_sequence(source.heldout_tokens, L), n)
+        tokens = eval_sequence(source.heldout_tokens, L, offset=args.offset)
+        layers = model_indexer_inputs(model, tokens, n)
         print(f"L={L}: indexer inputs of {len(layers)} layers captured "
               f"({time.monotonic() - t0:.0f} s)", flush=True)
         per_layer, selections = [], []

@@ -10,6 +10,8 @@
     compare:      the mode the summary reports against the reference (sparse-hierarchical)
     repetitions:  timed rounds per length, after a compile-only warm-up: each round times
                   every mode and split baseline once (interleaved)
+    split:        time the window baselines that split each TTFT into indexer / attention /
+                  other (default true; false: TTFT and fidelity only, no indexer share)
     fidelity_positions: last positions whose logits are compared (teacher-forced)
     decode_steps: timed decode steps after the prefill (inter-token latency)
 
@@ -138,6 +140,7 @@ class RunConfig(ConfigSection):
     reference: str = "sparse-flat"
     compare: str = "sparse-hierarchical"
     repetitions: int = 3
+    split: bool = True
     fidelity_positions: int = 512
     decode_steps: int = 8
 
@@ -173,6 +176,7 @@ class RunConfig(ConfigSection):
             fail("reference", "a sparse mode (recall is measured against its selection)",
                  self.reference)
         check_int(self, "repetitions", 1)
+        check_bool(self, "split")
         check_int(self, "fidelity_positions", 1)
         check_int(self, "decode_steps", 0)
         if self.fidelity_positions > min(lengths):

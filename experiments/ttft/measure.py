@@ -151,19 +151,21 @@ def _row_config(config):
 
 def mode_row(spec, config, timer, mode_run, baselines):
     """The results row of a timed mode: TTFT (its runs' min, median, max), the split from
-    the mins of its runs and of `baselines` ({(top_k, prefill_chunk): TimedPrefill}) and
-    its decode steps (mode_run, from harvest)."""
+    the mins of its runs and of `baselines` ({(top_k, prefill_chunk): TimedPrefill}; empty:
+    no split, its figures None) and its decode steps (mode_run, from harvest)."""
     ttft, L = timer.stats(), len(timer.tokens)
+    row = {**untimed_row(spec, config, L), "timed": True, "ttft_ms": ttft,
+           "decode_step_ms": mode_run.decode_ms}
+    if not baselines:  # the run times no split (RunConfig.split false)
+        return row
     keys = plan.baseline_keys(config, spec.sparse)
     other_ms = min(baselines[keys[-1]].times)
     window_ms = min(baselines[keys[0]].times) if spec.sparse else ttft["min"]
     indexer_ms = ttft["min"] - window_ms
-    return {**untimed_row(spec, config, L), "timed": True, "ttft_ms": ttft,
-            "indexer_ms": indexer_ms, "attention_ms": window_ms - other_ms,
+    return {**row, "indexer_ms": indexer_ms, "attention_ms": window_ms - other_ms,
             "other_ms": other_ms, "indexer_share": indexer_ms / ttft["min"],
             "baselines_ms": {"window_top_k": window_ms if spec.sparse else None,
-                             "window_top_1": other_ms},
-            "decode_step_ms": mode_run.decode_ms}
+                             "window_top_1": other_ms}}
 
 
 def perplexity(tail_logprobs, tokens):

@@ -102,8 +102,8 @@ def plan_length(run, base_config, length, modes=None):
         planned[spec.name] = (spec, Prefill(spec.name, config, length, capacity,
                                             logits_from=length - P, capture=capture,
                                             capture_from=length - P))
-        if not spec.timed(length):
-            continue  # no split without timing
+        if not spec.timed(length) or not run.split:
+            continue  # no split without timing, or when the run asks for none
         for key in baseline_keys(config, spec.sparse):
             baselines.setdefault(key, Prefill(f"window top_k {key[0]}",
                                               window_config(config, key[0]), length, capacity))

@@ -38,9 +38,10 @@ def row_cells(r):
 def comparison_line(c):
     """One length of the summary: the speedup with the fidelity it was measured at."""
     parts = [f"at {c['context_len']} tokens, TTFT({c['compare']}) / TTFT({c['reference']}) "
-             f"= {c['ttft_ratio']:.3f}",
-             f"indexer share {c['indexer_share_flat']:.2f} -> "
-             f"{c['indexer_share_hierarchical']:.2f}"]
+             f"= {c['ttft_ratio']:.3f}"]
+    if c.get("indexer_share_flat") is not None:
+        parts.append(f"indexer share {c['indexer_share_flat']:.2f} -> "
+                     f"{c['indexer_share_hierarchical']:.2f}")
     if c.get("scored_share") is not None:
         parts.append(f"scored share {c['scored_share']:.3f}")
     if c.get("recall") is not None:
@@ -77,19 +78,12 @@ def markdown(results):
         lines += ["Random weights: timing only; no fidelity figures.", ""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(row_cells(r)) + " |" for r in results["runs"]]
-    lines += ["", "Residual of the split: none by construction - indexer, attention and other are "
-              "differences of measured TTFTs (the mode's and two selection-free baselines', "
-              "below), so they add up to the measured TTFT exactly; their uncertainty is the "
-              "spread of the timed runs (TTFT min-max), and a part can come out slightly "
-              "negative when it is smaller than that spread.", "",
-              "| tokens | mode | baseline window top_k ms | baseline window top_k=1 ms |",
-              "|---|---|---:|---:|"]
-    for r in results["runs"]:
-        if not r.get("skipped") and r.get("ttft_ms") is not None:
-            b = r.get("baselines_ms") or {}
-            lines.append(f"| {r['context_len']} | {r['mode']} | "
-                         f"{_f(b.get('window_top_k'), '.0f')} | "
-                         f"{_f(b.get('window_top_1'), '.0f')} |")
+    timed = [r for r in results["runs"] if not r.get("skipped") and r.get("ttft_ms")]
+    if not any(r.get("baselines_ms") for r in timed):
+        lines += ["", "Split: not measured (this run's config sets split: false; "
+                      "experiments/configs/run_smollm2.yaml times it)."]
+    else:
+        lines += _split_table(timed)
     p = results.get("projection")
     if p and p.get("rows"):
         from experiments.ttft.projection import validation_text
@@ -106,6 +100,21 @@ def markdown(results):
     lines += [f"- {name}: {text}." for name, text in results["method"].items()]
     lines += ["", "![TTFT and its split](ttft.png)", ""]
     return "\n".join(lines)
+
+
+def _split_table(timed):
+    lines = ["", "Residual of the split: none by construction - indexer, attention and other "
+             "are differences of measured TTFTs (the mode's and two selection-free baselines', "
+             "below), so they add up to the measured TTFT exactly; their uncertainty is the "
+             "spread of the timed runs (TTFT min-max), and a part can come out slightly "
+             "negative when it is smaller than that spread.", "",
+             "| tokens | mode | baseline window top_k ms | baseline window top_k=1 ms |",
+             "|---|---|---:|---:|"]
+    for r in timed:
+        b = r.get("baselines_ms") or {}
+        lines.append(f"| {r['context_len']} | {r['mode']} | "
+                     f"{_f(b.get('window_top_k'), '.0f')} | {_f(b.get('window_top_1'), '.0f')} |")
+    return lines
 
 
 def plot(results, path):
@@ -141,16 +150,20 @@ def plot(results, path):
             if r is None:
                 continue
             x, bottom = i + (m - (len(modes) - 1) / 2) * width, 0.0
-            for part, color in colors.items():
-                value = max(0.0, r[part]) / 1000
+            # without a split (split: false) the bar is the TTFT, one color
+            parts = colors if r.get("indexer_ms") is not None else {"ttft": "tab:olive"}
+            for part, color in parts.items():
+                value = (r["ttft_ms"]["min"] if part == "ttft" else max(0.0, r[part])) / 1000
                 right.bar(x, value, width, bottom=bottom, color=color,
-                          label=part[:-3] if (m, i) == (0, 0) else None)
+                          label=part.removesuffix("_ms") if (m, i) == (0, 0) else None)
                 bottom += value
             right.text(x, bottom, mode.replace("sparse-", ""), rotation=90, ha="center",
                        va="bottom", fontsize=7)
     right.set_xticks(range(len(lengths)), [str(L) for L in lengths])
+    split = any(r.get("indexer_ms") is not None for r in runs)
     right.set(xlabel="context tokens", ylabel="seconds",
-              title="Prefill split (indexer / attention / other)")
+              title="Prefill split (indexer / attention / other)" if split else
+              "TTFT (split not measured: split: false)")
     right.legend()
     _projection_panel(proj, results.get("projection"))
     fig.tight_layout()

@@ -26,19 +26,23 @@ def test_distil_then_frontier(tmp_path):
                    "--extra", "exact:candidate_tokens=256,exact=true;tight:"
                    "candidate_tokens=512,tile_candidate_tokens=512;b32:candidate_tokens=256,block_size=32",
                    "--streaming-tiles", "300", "--reuse", "freq2", "--repeats", "1",
-                   "--out", str(out)])
+                   "--offset", "3000",                   "--out", str(out)])
     result = json.loads((out / "frontier.json").read_text())
     rows = result["lengths"][0]["rows"]
     streaming = [r for r in rows if r["method"] == "streaming"]
     assert len(streaming) == 1 and streaming[0]["equal"] and streaming[0]["recall"] == 1.0
-    assert result["lengths"][0]["fastest_exact"] in ("flat", "streaming/300")
+    threshold = [r for r in rows if r["method"] == "flat" and not r.get("reuse")]
+    assert [r["rule"] for r in threshold] == ["threshold"]
+    assert threshold[0]["recall"] > 0.99  # the same sets up to near-ties
+    assert result["offset"] == 3000
+    assert result["lengths"][0]["fastest_exact"] in ("flat", "flat/threshold", "streaming/300")
     reused = {r["name"]: r for r in rows if r.get("reuse")}
     assert set(reused) == {"flat@freq2", "mean/fixed/256@freq2", "mean/fixed/512@freq2",
                            "learned/fixed/256@freq2", "learned/fixed/512@freq2"}
     assert all(r["indexers"] == 2 for r in reused.values())
     assert reused["flat@freq2"]["recall_per_layer"][0] == 1.0
     assert reused["flat@freq2"]["recall"] < 1.0  # layer 1 reads layer 0's selection
-    rows = [r for r in rows if r["method"] != "streaming" and not r.get("reuse")]
+    rows = [r for r in rows if r["method"] not in ("streaming", "flat") and not r.get("reuse")]
     assert {r["method"] for r in rows} == {"mean", "learned"}
     assert {r["rule"] for r in rows} == {"fixed", "mass", "ratio", "exact", "tight", "b32"}
     assert [r["method"] for r in rows if r["rule"] == "b32"] == ["mean"]

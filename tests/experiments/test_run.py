@@ -142,7 +142,7 @@ def test_default_config_loads_and_matches_the_documented_run():
     run = load_run_config(main_job.DEFAULT_CONFIG)
     assert run.model.pretrained == "smollm2-135m" and run.lengths == (4096, 8192)
     assert [m.name for m in run.modes] == ["sparse-flat", "sparse-hierarchical", "dense"]
-    assert run.repetitions == 1
+    assert run.repetitions == 1 and run.split is False  # run_smollm2.yaml times the split
     dense = run.mode("dense")
     assert dense.timed(4096) and not dense.timed(8192) and dense.max_length is None
     base, _, _ = read_indexer_meta(default_indexer_dir("smollm2-135m"))
@@ -169,6 +169,40 @@ def test_untimed_modes_run_once_without_a_split():
     short, long = (plan.plan_length(run, config, n) for n in (256, 320))
     assert short.untimed == frozenset() and long.untimed == {"dense"}
     assert "dense" in long.modes and set(long.baselines) == set(short.baselines)
+
+
+def test_a_run_without_its_split_times_no_baselines_and_reports_ttft_alone(tmp_path):
+    """split: false plans no window baselines; a timed row then has its TTFT and no split,
+    and the report and plot say the split was not measured."""
+    from types import SimpleNamespace
+
+    from experiments.ttft import report
+    from experiments.ttft.measure import mode_row
+    from model import get_config
+
+    run = RunConfig.from_dict({**TINY, "split": False})
+    config = get_config("tiny").replace(max_seq_len=512, prefill_chunk=128)
+    planned = plan.plan_length(run, config, 256)
+    assert planned.baselines == {} and set(planned.modes) == {m["name"] for m in TINY["modes"]}
+    assert plan.plan_length(RunConfig.from_dict(TINY), config, 256).baselines
+    timer = SimpleNamespace(tokens=[0] * 256, stats=lambda: {"min": 10.0, "median": 11.0,
+                                                             "max": 12.0, "runs": [10, 12]})
+    spec, prefill = planned.modes["sparse-flat"]
+    row = mode_row(spec, prefill.config, timer, SimpleNamespace(decode_ms=None), {})
+    assert row["ttft_ms"]["min"] == 10.0 and row["timed"]
+    assert row["indexer_ms"] is None and row["indexer_share"] is None
+    results = {"command": "c", "model": "m", "wall_s": 1.0, "random_weights": False,
+               "config": {"repetitions": 2}, "runs": [row], "method": {},
+               "env": {"device": "cpu", "backend": "cpu", "jax": "x"},
+               "summary": {"context_len": 256, "per_length": [{
+                   "context_len": 256, "compare": "h", "reference": "f", "ttft_ratio": 0.9,
+                   "indexer_share_flat": None, "indexer_share_hierarchical": None}]}}
+    text = report.markdown(results)
+    assert "Split: not measured" in text and "indexer share" not in text.split("|")[0]
+    assert "= 0.900" in text
+    assert report.plot(results, tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="split must be"):
+        RunConfig.from_dict({**TINY, "split": "no"})
 
 
 @pytest.mark.parametrize("override, message", [
@@ -312,6 +346,7 @@ def test_the_default_config_runs_end_to_end_on_shortened_inputs(tmp_path):
     hier = runs["sparse-hierarchical"]
     assert 0.9 < hier["recall"] <= 1 and hier["perplexity_vs_dense"] is not None
     assert runs["sparse-flat"]["perplexity"] > 1 and hier["ttft_ms"]["min"] > 0
+    assert hier["indexer_ms"] is None  # split: false, no window baselines
     assert [c["context_len"] for c in results["summary"]["per_length"]] == [1088]
     assert results["projection"]["rows"]
     assert "Projection (the plot's right panel" in (tmp_path / "o" / "report.md").read_text()
