@@ -132,7 +132,7 @@ def measure_cpu_rates(config, repeats=3):
     # fine_batch_size queries per step as hierarchical_topk maps them.
     Tf = max(hc.query_tile, min(hc.fine_batch_size, 4 * T) // hc.query_tile * hc.query_tile)
     tile = min(hc.query_tile, Tf)
-    n_union = (hc.tile_candidate_tokens or 2 * (hc.candidate_tokens or 4 * K)) // B
+    n_union = (hc.tile_candidate_tokens or 2 * (hc.budget_tokens(L) or 4 * K)) // B
     n_union = max(1, min(n_union, L // B))
     table = jnp.asarray(rng.integers(0, L // B, (8, Tf // tile, n_union)), jnp.int32)
     times["gathered_scores"] = step(  # a short step: 8 of them, so the difference shows
@@ -149,7 +149,7 @@ def measure_cpu_rates(config, repeats=3):
     counts["sparse_attention"] = 4 * c.n_heads * c.head_dim * K * 2 * T
     # Sort (block tables, int32 rows) and the fast-ranking threshold select, at the config's
     # ranking width.
-    width = max(K, (hc.candidate_tokens or 4 * K))
+    width = max(K, (hc.budget_tokens(L) or 4 * K))
     ints = jnp.asarray(rng.integers(0, 1 << 30, (S, 2 * T, width)), jnp.int32)
     t_sort = step(lambda x: lax.sort(x, dimension=1), ints)
     sort_log = t_sort / (2 * T * width * math.log2(width))

@@ -197,6 +197,14 @@ def window_gap_interval(dense_by_window, method_by_window):
     return float(np.expm1(lo)), float(np.expm1(hi))
 
 
+def _budget_label(h):
+    if h.candidate_tokens:
+        return h.candidate_tokens
+    if h.length_budgets:
+        return f"by length {[list(pair) for pair in h.length_budgets]}"
+    return f"keep ratio {h.coarse_keep_ratio}"
+
+
 def main(argv=None):
     from model.pretrained import load_pretrained
 
@@ -299,8 +307,7 @@ def main(argv=None):
                                        selection=not args.no_selection,
                                        baselines=baselines, ppl_windows=args.ppl_windows))
         report = dict(model=args.model, info=dict(pre.info), config=model.config.to_dict(),
-                      hierarchical_budget=model.config.hierarchical.candidate_tokens
-                      or f"keep ratio {model.config.hierarchical.coarse_keep_ratio}",
+                      hierarchical_budget=_budget_label(model.config.hierarchical),
                       text="last L tokens of pydoc_data.topics (held out from the warm-up)",
                       hardware=f"{platform.machine()}, {jax.devices()[0].device_kind}",
                       command=command, seed=args.seed, lengths=results,

@@ -64,15 +64,24 @@ def summary_line(s):
     return "Summary: " + ".\n         ".join(lines) + "."
 
 
+def _rounds(cfg):
+    timed = "the modes" + (" and baselines" if cfg.get("split", True) else "")
+    if cfg["repetitions"] == 1:
+        text = f"1 timed prefill per row, {timed} each timed right after its own warm-up"
+    else:
+        text = (f"{cfg['repetitions']} timed prefills per row after a compile-only warm-up, "
+                f"{timed} of a length interleaved")
+    return text + ("; ratios and the split from each row's fastest run"
+                   if cfg.get("split", True) else "; ratios from each row's fastest run")
+
+
 def markdown(results):
     cfg, env = results["config"], results["env"]
     lines = ["# dosa TTFT study", "",
              f"Command: `{results['command']}`", "",
              f"Model: {results['model']}. "
              f"Device: {env['device']} ({env['backend']}, jax {env['jax']}). "
-             f"Repetitions: {cfg['repetitions']} timed prefills per row after a compile-only "
-             f"warm-up, the modes and baselines of a length interleaved; ratios and the split "
-             f"from each row's fastest run; wall time {results['wall_s']:.0f} s.", "",
+             f"Repetitions: {_rounds(cfg)}; wall time {results['wall_s']:.0f} s.", "",
              summary_line(results["summary"]), ""]
     if results["random_weights"]:
         lines += ["Random weights: timing only; no fidelity figures.", ""]

@@ -314,8 +314,9 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
         # The length's timing per mode (decode steps within; with one repetition, compiles too).
         row["wall_s"] = wall / len(timed)
         t = row["ttft_ms"]
+        share = row["indexer_share"]  # None without a split
         log(f"{length:>7} {spec.name:<22} TTFT min {t['min']:9.1f} ms, median "
-            f"{t['median']:9.1f} ms (indexer share {row['indexer_share']:.2f})")
+            f"{t['median']:9.1f} ms" + ("" if share is None else f" (indexer share {share:.2f})"))
     order = sorted(run.modes, key=lambda m: m.name != run.reference)
     rows = [skipped[m.name] if m.name in skipped else runs[m.name].row for m in order]
     return runs, rows, counts

@@ -147,9 +147,12 @@ def test_default_config_loads_and_matches_the_documented_run():
     assert dense.timed(4096) and not dense.timed(8192) and dense.max_length is None
     base, _, _ = read_indexer_meta(default_indexer_dir("smollm2-135m"))
     hier = run.mode("sparse-hierarchical").model_config(base)
-    # The budgets of the recall floor (0.95, the config says how they were found): about
-    # half of the keys at 8K; at 4K no budget of half the keys reaches it.
-    assert hier.hierarchical.length_budgets == ((4096, 2560), (8192, 4096))
+    # The shipped rule by length (dsa.json; the config says how it was found): about half
+    # of the keys at 8K; at 4K no budget of half the keys reaches the recall floor.
+    assert run.mode("sparse-hierarchical").hierarchical == {}
+    assert hier.hierarchical.length_budgets == ((4096, 2560), (8192, 4096), (16384, 4608),
+                                                (32768, 5120))
+    assert hier.hierarchical.candidate_tokens is None
     assert 0.45 < scored_share(hier, 8192, run.fidelity_positions) < 0.55
     assert 0.5 < scored_share(hier, 4096, run.fidelity_positions) < 0.75
     small = load_run_config(pathlib.Path(main_job.DEFAULT_CONFIG).parent / "run_small.yaml")
@@ -192,14 +195,14 @@ def test_a_run_without_its_split_times_no_baselines_and_reports_ttft_alone(tmp_p
     assert row["ttft_ms"]["min"] == 10.0 and row["timed"]
     assert row["indexer_ms"] is None and row["indexer_share"] is None
     results = {"command": "c", "model": "m", "wall_s": 1.0, "random_weights": False,
-               "config": {"repetitions": 2}, "runs": [row], "method": {},
+               "config": {"repetitions": 1, "split": False}, "runs": [row], "method": {},
                "env": {"device": "cpu", "backend": "cpu", "jax": "x"},
                "summary": {"context_len": 256, "per_length": [{
                    "context_len": 256, "compare": "h", "reference": "f", "ttft_ratio": 0.9,
                    "indexer_share_flat": None, "indexer_share_hierarchical": None}]}}
     text = report.markdown(results)
     assert "Split: not measured" in text and "indexer share" not in text.split("|")[0]
-    assert "= 0.900" in text
+    assert "= 0.900" in text and "each timed right after its own warm-up; ratios from" in text
     assert report.plot(results, tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="split must be"):
         RunConfig.from_dict({**TINY, "split": "no"})
@@ -320,7 +323,7 @@ def test_smollm2_config_modes_apply_to_the_shipped_retrofit():
     reuse = configs["sparse-hierarchical-freq2"]
     assert [reuse.layer_is_shared(i) for i in range(4)] == [False, True, False, True]
     assert sum(not reuse.layer_is_shared(i) for i in range(reuse.n_layers)) == 15
-    assert configs["sparse-hierarchical"].hierarchical.candidate_tokens < 8192
+    assert configs["sparse-hierarchical"].hierarchical.budget_tokens(8192) == 4096  # dsa.json
     assert configs["dense"].attention == "dense" and run.reference == "sparse-flat"
 
 
