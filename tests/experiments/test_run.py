@@ -96,6 +96,7 @@ def test_plan_shares_programs_across_lengths():
     assert len(shorter & longer) >= len(shorter) // 2
 
 
+@pytest.mark.slow  # 20 s of compiles from a cold cache: the default tier's largest
 def test_rehearse_compiles_each_program_once(monkeypatch):
     """--compile-only's rehearsal, with this CPU standing in for the GPU target: every
     program of every length compiled once; a program a longer length reuses lists both."""
