@@ -110,7 +110,7 @@ def harvest(spec, timer, run, *, keep_index=False, decode=True):
     row: the fidelity positions' log-probs, the captured selections and indexer inputs
     (sparse modes), a copy of the pass's indexer keys (keep_index: the reference's, which
     the other modes' selections are compared on), and `run.decode_steps` greedy decode
-    steps timed after the prompt (decode; compiled before, one untimed)."""
+    steps timed after the prompt (decode; the first untimed: it loads or compiles their program)."""
     out, runner, L = timer.out, timer.runner, len(timer.tokens)
     tail_logprobs = np.asarray(jax.nn.log_softmax(out[0], axis=-1))
     cache, captured = out[1], (out[2] if spec.sparse else None)

@@ -209,11 +209,11 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
 
     With several repetitions, every program is compiled first and the rounds are
     interleaved (measure.time_interleaved). With one, nothing is gained by holding every
-    program at once, so each mode and baseline in turn is compiled, timed once, finished
-    and its programs freed (release_programs): the study holds one mode's programs, not
-    all of them (an executable of SmolLM2's 30 layers holds 0.1-0.2 GB, and XLA keeps what
-    it ran with), and a program the next one shares comes back from the persistent
-    compilation cache, not a compile."""
+    program at once, so each mode and baseline in turn is compiled, timed once and its
+    prefill programs freed (release_programs) before its decode steps load and run: the
+    study holds one mode's prefill programs or its decode steps, not all of them (an
+    executable of SmolLM2's 30 layers holds 0.2-0.25 GB), and a program the next one
+    shares comes back from the persistent compilation cache, not a compile."""
     length = len(tokens)
     planned = plan.plan_length(run, model.config, length)
     skipped = {name: _skipped(length, run.mode(name), why)
@@ -230,7 +230,10 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
         try:
             runner = ModelRunner(with_config(model, prefill.config))
             timer = TimedPrefill(runner, tokens, prefill)
-            if run.decode_steps and name not in planned.untimed:
+            # With one repetition the decode steps compile after the pass, once its programs
+            # are freed (harvest's untimed first step): held through the pass they added
+            # 0.2-0.45 GB to the job's peak, the hierarchical 8K pass's.
+            if run.decode_steps and name not in planned.untimed and run.repetitions > 1:
                 runner.compile_decode(planned.decode, prefill.capacity, exact=True)
         except Exception as e:  # noqa: BLE001 - a run that does not fit is reported
             if not _out_of_memory(e):
@@ -278,8 +281,12 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
         def once(timer):
             counts["compiles_before_timing"] += compiles.take()
             timer.time_once()
-            take(timer)
             counts["compiles_while_timed"] += compiles.take()
+            # A loaded executable of one of SmolLM2's 30-layer chunk steps holds 0.2-0.25 GB
+            # of host memory (RSS per step loaded, not its temporaries): the prefill's are
+            # freed before the decode steps load.
+            release_programs()
+            take(timer)
             release_programs()
 
         for name in timed:
@@ -299,6 +306,7 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
             progress(f"{length} tokens, {name}: one untimed pass (fidelity)", advance=False)
         counts["compiles_before_timing"] += compiles.take()
         timer.time_once()
+        release_programs()
         take(timer)
         release_programs()
     log(f"{length:>7} XLA compiles: {counts['compiles_before_timing']} before timing (of "
