@@ -133,10 +133,13 @@ def plot(results, path):
     runs = [r for r in results["runs"] if not r.get("skipped") and r.get("ttft_ms")]
     modes = list(dict.fromkeys(r["mode"] for r in runs))
     fig, (left, right, proj) = plt.subplots(1, 3, figsize=(19, 5.5))
+    labelled = 0  # modes whose points carry a label: each mode's labels get a row of their
+    # own (close TTFTs would print them over each other), in the colour of its line
     for mode in modes:
         pts = sorted((r["context_len"], r["ttft_ms"]["min"] / 1000, r) for r in runs
                      if r["mode"] == mode)
-        left.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        line, = left.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        row = labelled
         for x, y, r in pts:  # fidelity beside speed
             label = []
             if r.get("recall") is not None:
@@ -144,8 +147,11 @@ def plot(results, path):
             if r.get("perplexity_vs_dense") is not None:
                 label.append(f"ppl vs dense {_pct(r['perplexity_vs_dense'])}")
             if label:
+                last = x == max(p[0] for p in pts)  # the rightmost: text to its left
                 left.annotate("\n".join(label), (x, y), textcoords="offset points",
-                              xytext=(5, -18), fontsize=7)
+                              xytext=(-6 if last else 6, -10 - 22 * row), fontsize=7,
+                              color=line.get_color(), va="top", ha="right" if last else "left")
+                labelled = row + 1
     left.set(xscale="log", yscale="log", xlabel="context tokens", ylabel="TTFT (s, fastest run)",
              title="Time to first token (measured), fidelity vs " +
                    results["config"].get("reference", "the reference"))

@@ -36,7 +36,8 @@ def _tokens(n, seed=0):
 
 
 # dense: default-tier time budget, in the slow tier
-@pytest.mark.parametrize("attention", [pytest.param("dense", marks=pytest.mark.slow), "sparse"])
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
+@pytest.mark.parametrize("attention", ["dense", "sparse"])
 def test_chunked_logprobs_equal_the_full_forward(tiny_model, attention):
     model = with_config(tiny_model, tiny_model.config.replace(attention=attention))
     toks = _tokens(200)

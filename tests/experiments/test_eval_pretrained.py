@@ -146,6 +146,7 @@ def test_copy_rare_strings_never_occur_in_the_filler(tiny):
     assert all(set(a) <= set(filler.tolist()) for a in vocab_seq.answer_tokens)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_baselines_are_computed_once_and_reused_only_when_they_match(tiny, tmp_path):
     """The dense and oracle rows written by one run are read by the next (same scores, no
     pass), and not when the seed or the oracle's top_k differs."""
@@ -206,6 +207,7 @@ def test_baselines_are_computed_once_and_reused_only_when_they_match(tiny, tmp_p
     assert got["oracle"]["source"] == "computed" and any("top_k 32 != 16" in x for x in logs)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_needle_context_and_its_questions_from_one_cached_prefix(tiny):
     """The needle sits at its depth, once; each question's teacher-forced score from a copy
     of the context's cache equals the score of one prefill of context + question + answer."""
@@ -287,6 +289,7 @@ def test_window_gap_interval_pairs_windows():
     assert lo < 0 < hi
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_reuse_methods_run_beside_their_base(tiny, tmp_path):
     ev.main(["--model", str(tiny), "--indexer-dir", "none", "--lengths", "256",
              "--top-k", "16", "--no-selection", "--probe-sequences", "1",

@@ -64,6 +64,7 @@ def test_cached_loss_at_every_row_is_the_warmup_loss_and_its_gradient(types):
     assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(got_g)) > 0
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_cached_loss_at_sampled_rows_is_the_mean_over_those_rows():
     """Stratified rows: the loss is the warm-up's per-query KL averaged over the rows."""
     model = _model()

@@ -66,6 +66,7 @@ def test_bad_arguments_name_the_parameter():
         streaming_topk(q, w, k, 4, key_tile=0)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_a_model_on_streaming_selection_is_the_flat_model():
     from flax import nnx
 

@@ -55,6 +55,7 @@ def test_captured_indices_are_the_flat_top_k_of_the_captured_indexer_outputs():
         assert np.asarray(got)[0, 1] == -1 and np.asarray(got)[-1].min() >= 0
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_indexer_input_and_target_rows_are_what_a_teacher_cache_keeps():
     """The captured indexer input reproduces the layer's captured indexer outputs through
     the layer's own indexer (a shared layer: its full layer's input); the target at
