@@ -4,9 +4,7 @@ ModelRunner is the one loop that runs a model over a sequence: serving, the main
 evaluation and benchmarks all prefill and decode through it.
 """
 
-import concurrent.futures
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -92,19 +90,6 @@ def _rows(x, start, size):
 @jax.jit
 def _concat(pieces):
     return jnp.concatenate(pieces)
-
-
-def compile_all(lowered):
-    """Lowered programs compiled (or read from the persistent compilation cache), as a list
-    in their order: on as many threads as the process may use cores. XLA compiles one program
-    on one thread and releases the GIL while it does, so a prefill's distinct chunk steps
-    compile side by side."""
-    workers = min(len(lowered), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                  else os.cpu_count() or 1)
-    if workers <= 1:
-        return [low.compile() for low in lowered]
-    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(lambda low: low.compile(), lowered))
 
 
 def step_key(step):
@@ -207,8 +192,8 @@ class ModelRunner:
         cap, plan = self._plan(n, **kwargs)
         steps = self._steps(cap, plan)
         logits = {}
-        for step, compiled in zip(steps.values(), compile_all(
-                [self.lower_step(*step) for step in steps.values()])):
+        for step in steps.values():
+            compiled = self.lower_step(*step).compile()
             if step[5]:  # all_logits: the step's logits, as its output gives them
                 out = compiled.out_info[0]
                 logits[step[0].shape[0]] = self.stand_ins(out.shape, out.dtype,
@@ -256,7 +241,8 @@ class ModelRunner:
     def compile_decode(self, positions, capacity, *, exact=False):
         """Compiles the decode steps at `positions` (decode_steps') -> their number."""
         steps = self.decode_steps(positions, capacity, exact=exact)
-        compile_all([self.lower_step(*step) for step in steps])
+        for step in steps:
+            self.lower_step(*step).compile()
         return len(steps)
 
     def _check(self, n, chunk, start, capture, capture_from, logits_from):
