@@ -21,13 +21,16 @@ XLA_SCORE_BYTES = 64 << 20
 PALLAS_QUERY_CHUNK = 512
 
 
-def index_scores(q, w, k, *, q_offset=0, backend=None):
+def index_scores(q, w, k, *, q_offset=0, key_block_size=1, backend=None):
     """I[t, s] = sum_j w[t, j] * ReLU(q[t, j] . k[s]), causal.
 
     q: [T, H_I, d_I], w: [T, H_I], k: [L, d_I] -> f32[T, L]; query i sits at absolute
-    position q_offset + i, key j at position j; entries with j > q_offset + i are -inf.
+    position q_offset + i, key j at position j * key_block_size (a key per block of
+    positions: block summaries, DeepSeek-V4's compressed entries); entries with
+    j * key_block_size > q_offset + i are -inf.
     """
-    return pallas_kernels.index_scores(q, w, k, q_offset=q_offset, backend=backend)
+    return pallas_kernels.index_scores(q, w, k, q_offset=q_offset,
+                                       key_block_size=key_block_size, backend=backend)
 
 
 def topk_indices(scores, top_k):
