@@ -7,6 +7,7 @@ import dataclasses
 from indexer.config import FrozenConfig
 
 MLP_LAYER_TYPES = ("dense", "sparse")  # transformers' names: a dense MLP, or the MoE
+ROUTER_SCORES = ("sigmoid", "sqrtsoftplus")  # V3.2 / GLM-5; DeepSeek-V4
 
 
 def _positive_int(cls, name, value, lo=1):
@@ -67,6 +68,9 @@ class MoEConfig(FrozenConfig):
     FP8 checkpoint's weight_block_size, keeps them as float8 e4m3 with one float32 scale per
     block of the checkpoint's [out, in] matrices, dequantized where they are used (a
     quarter of float32's bytes, half of bf16's; the products still run in the model's dtype).
+    scoring_func: the router's scores, sigmoid (V3.2, GLM-5) or sqrt(softplus) (DeepSeek-V4).
+    swiglu_limit: None, or (DeepSeek-V4) the experts' SwiGLU clamps its gate projection at
+    most this and its up projection to [-limit, limit].
     """
 
     n_routed_experts: int
@@ -79,6 +83,8 @@ class MoEConfig(FrozenConfig):
     norm_topk_prob: bool = True
     mlp_layer_types: tuple[str, ...] = ()
     fp8_block: tuple[int, ...] = ()
+    scoring_func: str = "sigmoid"
+    swiglu_limit: float | None = None
 
     def __post_init__(self):
         for name in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -117,6 +123,14 @@ class MoEConfig(FrozenConfig):
             raise ValueError(f"MoEConfig.fp8_block must be () or two ints >= 1 (the "
                              f"checkpoint's weight_block_size), got {block!r}")
         object.__setattr__(self, "fp8_block", tuple(block))
+        if self.scoring_func not in ROUTER_SCORES:
+            raise ValueError(f"MoEConfig.scoring_func must be one of {ROUTER_SCORES}, got "
+                             f"{self.scoring_func!r}")
+        limit = self.swiglu_limit
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                                  or limit <= 0):
+            raise ValueError(f"MoEConfig.swiglu_limit must be None or a positive number, got "
+                             f"{limit!r}")
 
     def layer_is_moe(self, layer):
         return not self.mlp_layer_types or self.mlp_layer_types[layer] == "sparse"

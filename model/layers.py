@@ -5,15 +5,21 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+def rms_norm(x, weight, eps):
+    """x / rms(x) over the last axis, times weight (None: unweighted), in float32; returned
+    in x's dtype."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y if weight is None else y * weight.astype(jnp.float32)).astype(x.dtype)
+
+
 class RMSNorm(nnx.Module):
     def __init__(self, dim, *, eps=1e-6):
         self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
         self.eps = eps
 
     def __call__(self, x):
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...]).astype(x.dtype)
+        return rms_norm(x, self.scale[...], self.eps)
 
 
 class SwiGLU(nnx.Module):

@@ -32,16 +32,27 @@ from model.layers import SwiGLU
 EXPERT_GROUP = ("expert", "tensor")  # the mesh axes the routed experts split over
 
 
-def route(x, weight, bias, moe):
+def router_scores(x, weight, moe):
+    """f32[T, E]: moe.scoring_func of x W^T, in float32."""
+    logits = jnp.dot(x.astype(jnp.float32), weight.astype(jnp.float32).T)
+    if moe.scoring_func == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits))
+    return jax.nn.sigmoid(logits)
+
+
+def route(x, weight, bias, moe, *, token_experts=None):
     """The router (MoEConfig's rule) -> (weights f32[T, k], experts i32[T, k]).
 
-    Scores sigmoid(x W^T) in float32; the choice ranks scores + bias, first over groups (a
-    group's score: the sum of its 2 best choice scores; the topk_group best groups stay),
-    then the top num_experts_per_tok experts of the kept groups; the weights are the chosen
-    experts' scores without the bias, normalised (norm_topk_prob), times
-    routed_scaling_factor."""
+    Scores router_scores (sigmoid, or DeepSeek-V4's sqrt(softplus)); the choice ranks scores
+    + bias, first over groups (a group's score: the sum of its 2 best choice scores; the
+    topk_group best groups stay), then the top num_experts_per_tok experts of the kept
+    groups; token_experts i32[T, k] (DeepSeek-V4's hash layers: its frozen token-id table
+    read at the tokens) is the choice instead. The weights are the chosen experts' scores
+    without the bias, normalised (norm_topk_prob), times routed_scaling_factor."""
     E, G = moe.n_routed_experts, moe.n_group
-    scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), weight.astype(jnp.float32).T))
+    scores = router_scores(x, weight, moe)
+    if token_experts is not None:
+        return _weights(scores, token_experts.astype(jnp.int32), moe)
     choice = scores + bias.astype(jnp.float32)
     if G > 1:
         grouped = choice.reshape(-1, G, E // G)
@@ -51,13 +62,27 @@ def route(x, weight, bias, moe):
             jnp.arange(kept.shape[0])[:, None], kept].set(True)
         choice = jnp.where(jnp.repeat(keep, E // G, axis=1), choice, -jnp.inf)
     _, experts = jax.lax.top_k(choice, moe.num_experts_per_tok)
+    return _weights(scores, experts.astype(jnp.int32), moe)
+
+
+def _weights(scores, experts, moe):
     weights = jnp.take_along_axis(scores, experts, axis=1)
     if moe.norm_topk_prob:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-    return weights * moe.routed_scaling_factor, experts.astype(jnp.int32)
+    return weights * moe.routed_scaling_factor, experts
 
 
-def expert_mix(x, weights, experts, stored, scale_block=None, *, implementation=None):
+def swiglu(gate, up, limit=None):
+    """silu(gate) * up; with a limit (DeepSeek-V4's swiglu_limit) gate clamped at most
+    limit and up to [-limit, limit] first."""
+    if limit is not None:
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
+
+
+def expert_mix(x, weights, experts, stored, scale_block=None, *, implementation=None,
+               limit=None):
     """sum_j weights[t, j] SwiGLU_{experts[t, j]}(x[t]) -> [T, D], computing only the chosen
     experts. stored: gate, up [E, D, F] and down [E, F, D] in the compute dtype, or those
     in FP8 e4m3 followed by their block scales (gate_scale, up_scale, down_scale) with
@@ -65,7 +90,7 @@ def expert_mix(x, weights, experts, stored, scale_block=None, *, implementation=
     runs the grouped-matmul op (pallas_kernels.grouped_matmul: on GPU a kernel that reads
     FP8 tiles as stored; `implementation` picks one); decode (T x k <= E) gathers the
     chosen experts, and dequantizes only those. An expert id >= E (an expert another
-    device holds) is skipped: its weight must be 0."""
+    device holds) is skipped: its weight must be 0. limit: swiglu's clamp (None: none)."""
     T, k = experts.shape
     E = stored[0].shape[0]
     mats, scales = stored[:3], (stored[3:] if scale_block else (None,) * 3)
@@ -75,7 +100,7 @@ def expert_mix(x, weights, experts, stored, scale_block=None, *, implementation=
                   pallas_kernels.dequantize_blocks(m[ids], s[ids], scale_block, x.dtype)
                   for m, s in zip(mats, scales)]
         g, u, d = (w.reshape(T, k, *w.shape[1:]) for w in picked)
-        h = jax.nn.silu(jnp.einsum("td,tkdf->tkf", x, g)) * jnp.einsum("td,tkdf->tkf", x, u)
+        h = swiglu(jnp.einsum("td,tkdf->tkf", x, g), jnp.einsum("td,tkdf->tkf", x, u), limit)
         y = jnp.einsum("tkf,tkfd->tkd", h, d)
         return jnp.einsum("tk,tkd->td", weights.astype(y.dtype), y).astype(x.dtype)
     flat = experts.reshape(-1)
@@ -90,7 +115,7 @@ def expert_mix(x, weights, experts, stored, scale_block=None, *, implementation=
                                              implementation=implementation)
 
     rows = x[token]
-    h = jax.nn.silu(grouped(rows, 0)) * grouped(rows, 1)
+    h = swiglu(grouped(rows, 0), grouped(rows, 1), limit)
     y = grouped(h, 2)
     y = y * weights.reshape(-1)[order][:, None].astype(y.dtype)
     return jnp.zeros_like(x).at[token].add(y.astype(x.dtype))

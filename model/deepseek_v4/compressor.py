@@ -20,6 +20,8 @@ the incomplete window and the last whole window's Ca slots to its next call (`pr
 import jax
 import jax.numpy as jnp
 
+from model.layers import rms_norm
+
 
 def interleaved_rope(x, cos, sin):
     """RoPE on the trailing 2 x cos.shape[-1] dims of x [T, ..., d], rotating consecutive
@@ -34,12 +36,6 @@ def interleaved_rope(x, cos, sin):
     rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
     rotated = rotated.reshape(*rope.shape).astype(x.dtype)
     return jnp.concatenate([x[..., :-2 * half], rotated], axis=-1)
-
-
-def _rms_norm(x, weight, eps):
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (weight.astype(jnp.float32) * y).astype(x.dtype)
 
 
 def compress(kv, gate, position_bias, norm_weight, rope, *, ratio, overlap, norm_eps,
@@ -66,7 +62,7 @@ def compress(kv, gate, position_bias, norm_weight, rope, *, ratio, overlap, norm
         kv = jnp.concatenate([prev_kv, kv[:, :, d:]], axis=1)
         gate = jnp.concatenate([prev_gate, gate[:, :, d:]], axis=1)
     weights = jax.nn.softmax(gate.astype(jnp.float32), axis=1).astype(kv.dtype)
-    pooled = _rms_norm(jnp.sum(kv * weights, axis=1), norm_weight, norm_eps)
+    pooled = rms_norm(jnp.sum(kv * weights, axis=1), norm_weight, norm_eps)
     cos, sin = rope(first_position + ratio * jnp.arange(n))
     return interleaved_rope(pooled, cos, sin)
 

@@ -17,9 +17,7 @@ reference computes it; the streams keep their dtype.
 import jax
 import jax.numpy as jnp
 
-
-def _unweighted_rms_norm(x, eps):
-    return x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
+from model.layers import rms_norm
 
 
 def mix_weights(streams, fn, base, scale, *, hc_eps, norm_eps, sinkhorn_iters):
@@ -27,7 +25,7 @@ def mix_weights(streams, fn, base, scale, *, hc_eps, norm_eps, sinkhorn_iters):
     comb) -> (pre [T, N], post [T, N], comb [T, N, N]), comb[j, k] the share of input
     stream j in output stream k."""
     T, N, _ = streams.shape
-    flat = _unweighted_rms_norm(streams.reshape(T, -1).astype(jnp.float32), norm_eps)
+    flat = rms_norm(streams.reshape(T, -1).astype(jnp.float32), None, norm_eps)
     mixed = flat @ fn.astype(jnp.float32).T
     base, scale = base.astype(jnp.float32), scale.astype(jnp.float32)
     pre = jax.nn.sigmoid(mixed[:, :N] * scale[0] + base[:N]) + hc_eps
@@ -58,7 +56,7 @@ def head_collapse(streams, fn, base, scale, *, hc_eps, norm_eps):
     """The final collapse before the model's norm: streams [T, N, D]; fn [N, N D], base [N],
     scale [1] -> [T, D]."""
     T = streams.shape[0]
-    flat = _unweighted_rms_norm(streams.reshape(T, -1).astype(jnp.float32), norm_eps)
+    flat = rms_norm(streams.reshape(T, -1).astype(jnp.float32), None, norm_eps)
     pre = jax.nn.sigmoid((flat @ fn.astype(jnp.float32).T) * scale.astype(jnp.float32)
                          + base.astype(jnp.float32)) + hc_eps
     return collapse(streams, pre)
