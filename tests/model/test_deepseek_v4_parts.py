@@ -276,3 +276,26 @@ def test_every_layer_composed_of_dosas_parts_equals_transformers(tiny, prompt):
                                    atol=1e-4 * np.abs(want).max(), err_msg=f"layer {layer}")
         np.testing.assert_array_equal(np.sort(np.asarray(experts), axis=1),
                                       np.sort(reference[f"experts_{prompt}_{layer}"], axis=1))
+
+
+@pytest.mark.parametrize("prompt", [0, 1, 2])
+def test_the_whole_pass_of_dosas_parts_gives_transformers_logits(tiny, prompt):
+    """The embedding copied into every stream, the four layers, the head's collapse, the norm
+    and the output head: logits at every position within 1e-4 x max |logit| of
+    transformers', the same greedy token everywhere."""
+    config, weights, reference = tiny
+    tokens = reference[f"prompt_{prompt}"]
+    x = jnp.asarray(weights["model.embed_tokens.weight"])[jnp.asarray(tokens)]
+    streams = jnp.repeat(x[:, None, :], config["hc_mult"], axis=1)
+    np.testing.assert_array_equal(np.asarray(streams), reference[f"hidden_{prompt}"][0])
+    for layer in range(config["num_hidden_layers"]):
+        streams, _ = _block(config, weights, streams, tokens, layer)
+    w = lambda name: jnp.asarray(weights[name])  # noqa: E731
+    h = hyper_connections.head_collapse(streams, w("model.hc_head.hc_fn"),
+                                        w("model.hc_head.hc_base"), w("model.hc_head.hc_scale"),
+                                        hc_eps=config["hc_eps"], norm_eps=config["rms_norm_eps"])
+    logits = np.asarray(rms_norm(h, w("model.norm.weight"), config["rms_norm_eps"])
+                        @ w("head.weight").T)
+    want = reference[f"logits_{prompt}"]
+    np.testing.assert_allclose(logits, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    np.testing.assert_array_equal(logits.argmax(-1), want.argmax(-1))
