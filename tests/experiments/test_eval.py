@@ -46,6 +46,7 @@ def test_chunked_logprobs_equal_the_full_forward(tiny_model, attention):
     np.testing.assert_allclose(lp, full, atol=2e-4)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_recall_collection_against_itself_is_perfect(tiny_model):
     model = with_config(tiny_model, tiny_model.config.replace(attention="sparse"))
     toks = _tokens(160, seed=1)

@@ -63,6 +63,7 @@ def test_a_training_step_lowers_the_screen_loss_on_a_tiny_batch():
     assert float(loss(params)) < first - 0.05
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_an_oracle_screen_reaches_the_block_recall_ceiling():
     # Ranking blocks by how many flat top-k tokens they hold, then scoring exactly inside
     # them, recovers exactly the best share any choice of that many blocks can hold.

@@ -141,6 +141,7 @@ def test_logits_from_returns_the_rows_from_that_position_on():
         runner.prefill(toks, logits_from=130)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_compile_prefill_compiles_each_distinct_step_once():
     runner = ModelRunner(_model(12))
     # 200 tokens in chunks of 64 into a 256 cache: 3 full chunks (kv 256) + 1 of 8 -> 16 rows.

@@ -6,6 +6,7 @@ import functools
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,6 +18,9 @@ from model.deepseek_v4 import compressor, hyper_connections
 from model.layers import rms_norm
 
 FIXTURE = pathlib.Path(__file__).resolve().parent.parent / "fixtures" / "deepseek_v4" / "tiny"
+# The default tier checks the longest prompt (90 tokens, the most indexer rows choosing); the
+# other two run in the slow tier (default-tier time budget: each prompt length compiles anew).
+PROMPTS = [0, *(pytest.param(j, marks=pytest.mark.slow) for j in (1, 2))]
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +78,7 @@ def _compressed_layers(config):
             for i, kind in enumerate(config["layer_types"]) if kind in rates]
 
 
+@pytest.mark.slow  # default-tier time budget: the layer test below covers the entries too
 @pytest.mark.parametrize("prompt", [0, 1, 2])
 def test_compressed_entries_and_index_keys_equal_transformers(tiny, prompt):
     """Every compressed layer (CSA ratio 4, overlapping; HCA ratio 16): the entries its
@@ -141,7 +146,7 @@ def test_compress_names_a_partial_window():
                             jnp.ones(4), None, ratio=4, overlap=False, norm_eps=1e-6)
 
 
-@pytest.mark.parametrize("prompt", [0, 1, 2])
+@pytest.mark.parametrize("prompt", PROMPTS)
 def test_csa_index_scores_and_selection_equal_transformers(tiny, prompt):
     """The CSA indexer of every CSA layer, from the layer's input: its scores over the
     compressed entries (-inf on the same entries) and its top index_topk entries, in
@@ -188,7 +193,7 @@ def _moe_config(config):
                      scoring_func=config["scoring_func"], swiglu_limit=config["swiglu_limit"])
 
 
-def _block(config, weights, streams, tokens, layer):
+def _block_eager(config, weights, streams, tokens, layer):
     """One V4 decoder layer composed of dosa's parts, in the one-shot form (positions 0..):
     -> (the streams after it, the experts its router chose)."""
     from model import moe as dosa_moe
@@ -262,7 +267,19 @@ def _block(config, weights, streams, tokens, layer):
     return hyper_connections.expand(routed + shared, streams, post, comb), experts
 
 
-@pytest.mark.parametrize("prompt", [0, 1, 2])
+def _block(config, weights, streams, tokens, layer):
+    """_block_eager as one jitted program per layer (a cold compile cache compiles a few
+    programs, not every operation of the layer one by one)."""
+    key = (id(weights), layer)
+    if key not in _BLOCKS:
+        _BLOCKS[key] = jax.jit(functools.partial(_block_eager, config, weights, layer=layer))
+    return _BLOCKS[key](streams, tokens)
+
+
+_BLOCKS = {}
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
 def test_every_layer_composed_of_dosas_parts_equals_transformers(tiny, prompt):
     """Each of the four layers (sliding, CSA, HCA, CSA; hash then learned routing), from
     the streams entering it: the streams leaving it equal transformers' within 1e-4 of
@@ -278,7 +295,7 @@ def test_every_layer_composed_of_dosas_parts_equals_transformers(tiny, prompt):
                                       np.sort(reference[f"experts_{prompt}_{layer}"], axis=1))
 
 
-@pytest.mark.parametrize("prompt", [0, 1, 2])
+@pytest.mark.parametrize("prompt", PROMPTS)
 def test_the_whole_pass_of_dosas_parts_gives_transformers_logits(tiny, prompt):
     """The embedding copied into every stream, the four layers, the head's collapse, the norm
     and the output head: logits at every position within 1e-4 x max |logit| of

@@ -61,6 +61,7 @@ def test_the_warmup_compiles_the_shadow_programs(hierarchical):
         assert len(state.shadow) == -(-n // 64)
 
 
+@pytest.mark.slow  # default-tier time budget; runs in CI's slow tier
 def test_shadow_recall_equals_offline_indexer_recall(hierarchical):
     engine = Engine(hierarchical, max_context=128, slots=1,
                     shadow=ShadowSampler(1.0, 16, 1.0))
