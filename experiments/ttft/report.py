@@ -139,7 +139,7 @@ def plot(results, path):
         pts = sorted((r["context_len"], r["ttft_ms"]["min"] / 1000, r) for r in runs
                      if r["mode"] == mode)
         line, = left.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
-        row = labelled
+        row, rightmost = labelled, max(p[0] for p in pts)
         for x, y, r in pts:  # fidelity beside speed
             label = []
             if r.get("recall") is not None:
@@ -147,7 +147,7 @@ def plot(results, path):
             if r.get("perplexity_vs_dense") is not None:
                 label.append(f"ppl vs dense {_pct(r['perplexity_vs_dense'])}")
             if label:
-                last = x == max(p[0] for p in pts)  # the rightmost: text to its left
+                last = x == rightmost  # the rightmost point's text goes to its left
                 left.annotate("\n".join(label), (x, y), textcoords="offset points",
                               xytext=(-6 if last else 6, -10 - 22 * row), fontsize=7,
                               color=line.get_color(), va="top", ha="right" if last else "left")

@@ -20,13 +20,18 @@ import jax.numpy as jnp
 from model.layers import rms_norm
 
 
+def _normed_flat(streams, norm_eps):
+    """streams [T, N, D] -> [T, N D] in float32, unweighted-RMS-normed: what every weight of
+    the connections is a linear map of."""
+    return rms_norm(streams.reshape(streams.shape[0], -1).astype(jnp.float32), None, norm_eps)
+
+
 def mix_weights(streams, fn, base, scale, *, hc_eps, norm_eps, sinkhorn_iters):
     """streams [T, N, D]; fn [(2 + N) N, N D], base [(2 + N) N], scale [3] (pre, post,
     comb) -> (pre [T, N], post [T, N], comb [T, N, N]), comb[j, k] the share of input
     stream j in output stream k."""
     T, N, _ = streams.shape
-    flat = rms_norm(streams.reshape(T, -1).astype(jnp.float32), None, norm_eps)
-    mixed = flat @ fn.astype(jnp.float32).T
+    mixed = _normed_flat(streams, norm_eps) @ fn.astype(jnp.float32).T
     base, scale = base.astype(jnp.float32), scale.astype(jnp.float32)
     pre = jax.nn.sigmoid(mixed[:, :N] * scale[0] + base[:N]) + hc_eps
     post = 2 * jax.nn.sigmoid(mixed[:, N:2 * N] * scale[1] + base[N:2 * N])
@@ -55,8 +60,7 @@ def expand(block_output, streams, post, comb):
 def head_collapse(streams, fn, base, scale, *, hc_eps, norm_eps):
     """The final collapse before the model's norm: streams [T, N, D]; fn [N, N D], base [N],
     scale [1] -> [T, D]."""
-    T = streams.shape[0]
-    flat = rms_norm(streams.reshape(T, -1).astype(jnp.float32), None, norm_eps)
-    pre = jax.nn.sigmoid((flat @ fn.astype(jnp.float32).T) * scale.astype(jnp.float32)
+    pre = jax.nn.sigmoid((_normed_flat(streams, norm_eps) @ fn.astype(jnp.float32).T)
+                         * scale.astype(jnp.float32)
                          + base.astype(jnp.float32)) + hc_eps
     return collapse(streams, pre)

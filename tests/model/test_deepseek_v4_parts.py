@@ -240,7 +240,7 @@ def _block_eager(config, weights, streams, tokens, layer):
             entry_visible = seen[:, :n]
         else:
             entry_visible = (jnp.arange(entries.shape[0])[None, :]
-                             < (positions[:, None] + 1) // ratio)
+                             < compressor.visible_entries(positions, ratio)[:, None])
         keys = jnp.concatenate([kv, entries])
         visible = jnp.concatenate([visible, entry_visible], axis=1)
     out = attention.attend(q, keys, visible, w("attn.attn_sink"))
