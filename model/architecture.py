@@ -1,12 +1,16 @@
 """The optional parts of a ModelConfig that make a DeepSeek-style model: multi-head latent
-attention (MLAConfig, model/mla.py) and the DeepSeekMoE feed-forward (MoEConfig,
-model/moe.py). Frozen, validated, JAX-free (serving reads configs before JAX starts)."""
+attention (MLAConfig, model/mla.py), the DeepSeekMoE feed-forward (MoEConfig,
+model/moe.py) and DeepSeek-V4's compressed attention with hyper-connections
+(DeepseekV4Config, model/deepseek_v4/). Frozen, validated, JAX-free (serving reads configs
+before JAX starts)."""
 
 import dataclasses
 
-from indexer.config import FrozenConfig
+from indexer.config import FrozenConfig, YarnConfig
 
-MLP_LAYER_TYPES = ("dense", "sparse")  # transformers' names: a dense MLP, or the MoE
+# A dense MLP, or the MoE ("sparse": learned routing; "hash": DeepSeek-V4's first layers,
+# whose experts a frozen table picks by token id)
+MLP_LAYER_TYPES = ("dense", "sparse", "hash")
 ROUTER_SCORES = ("sigmoid", "sqrtsoftplus")  # V3.2 / GLM-5; DeepSeek-V4
 
 
@@ -62,8 +66,9 @@ class MoEConfig(FrozenConfig):
     group-limited (experts in n_group groups, a group's score the sum of its 2 best, the
     topk_group best groups kept); the weights are the chosen experts' unbiased scores,
     normalised to sum 1 when norm_topk_prob, times routed_scaling_factor.
-    mlp_layer_types: per layer "dense" (the model's SwiGLU of d_ff) or "sparse" (this MoE);
-    empty: every layer sparse (transformers' first_k_dense_replace = k is k "dense" first).
+    mlp_layer_types: per layer "dense" (the model's SwiGLU of d_ff), "sparse" (this MoE) or
+    "hash" (this MoE, its experts read from a token-id table, `tid2eid`); empty: every layer
+    sparse (transformers' first_k_dense_replace = k is k "dense" first).
     fp8_block: () keeps the routed experts in the model's dtype; (rows, cols), a released
     FP8 checkpoint's weight_block_size, keeps them as float8 e4m3 with one float32 scale per
     block of the checkpoint's [out, in] matrices, dequantized where they are used (a
@@ -133,4 +138,72 @@ class MoEConfig(FrozenConfig):
                              f"{limit!r}")
 
     def layer_is_moe(self, layer):
-        return not self.mlp_layer_types or self.mlp_layer_types[layer] == "sparse"
+        return not self.mlp_layer_types or self.mlp_layer_types[layer] != "dense"
+
+    def layer_is_hashed(self, layer):
+        return bool(self.mlp_layer_types) and self.mlp_layer_types[layer] == "hash"
+
+
+V4_LAYER_TYPES = ("sliding", "csa", "hca")
+# transformers' layer_types -> dosa's
+V4_HF_LAYER_TYPES = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
+                     "heavily_compressed_attention": "hca"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV4Config(FrozenConfig):
+    """DeepSeek-V4's attention and residual stream (model/deepseek_v4/, docs/models.md).
+
+    layer_types: per layer "sliding" (its last sliding_window tokens only), "csa" (those and
+    the indexer's top_k of the entries pooling csa_ratio tokens each, over overlapping
+    windows) or "hca" (those and every entry pooling hca_ratio tokens). Attention: q-LoRA
+    of q_lora_rank, one shared K = V head of the ModelConfig's head_dim whose last
+    qk_rope_head_dim dims rotate (interleaved pairs), a learned sink per head, the output
+    through o_groups low-rank groups of o_lora_rank. RoPE: sliding layers the main table
+    (ModelConfig.rope_theta), compressed layers and their indexer compress_rope_theta with
+    compress_yarn. The residual is hc_mult streams mixed by Sinkhorn-normalised
+    hyper-connections (hc_sinkhorn_iters, hc_eps)."""
+
+    layer_types: tuple[str, ...]
+    q_lora_rank: int
+    qk_rope_head_dim: int
+    o_groups: int
+    o_lora_rank: int
+    sliding_window: int = 128
+    csa_ratio: int = 4
+    hca_ratio: int = 128
+    hc_mult: int = 4
+    hc_eps: float = 1e-6
+    hc_sinkhorn_iters: int = 20
+    compress_rope_theta: float = 160000.0
+    compress_yarn: YarnConfig | None = None
+
+    def __post_init__(self):
+        types = self.layer_types
+        if not isinstance(types, (tuple, list)) or not types or any(
+                t not in V4_LAYER_TYPES for t in types):
+            raise ValueError(f"DeepseekV4Config.layer_types must be a non-empty list of "
+                             f"{V4_LAYER_TYPES}, got {types!r}")
+        object.__setattr__(self, "layer_types", tuple(types))
+        for name in ("q_lora_rank", "o_groups", "o_lora_rank", "sliding_window", "csa_ratio",
+                     "hca_ratio", "hc_mult", "hc_sinkhorn_iters"):
+            _positive_int("DeepseekV4Config", name, getattr(self, name))
+        _positive_int("DeepseekV4Config", "qk_rope_head_dim", self.qk_rope_head_dim, 2)
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"DeepseekV4Config.qk_rope_head_dim must be even, got "
+                             f"{self.qk_rope_head_dim}")
+        for name in ("hc_eps", "compress_rope_theta"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"DeepseekV4Config.{name} must be a positive number, got "
+                                 f"{value!r}")
+        if isinstance(self.compress_yarn, dict):
+            object.__setattr__(self, "compress_yarn", YarnConfig.from_dict(self.compress_yarn))
+        if self.compress_yarn is not None and not isinstance(self.compress_yarn, YarnConfig):
+            raise ValueError(f"DeepseekV4Config.compress_yarn must be a YarnConfig, a dict or "
+                             f"None, got {type(self.compress_yarn).__name__}")
+
+    def ratio(self, layer):
+        """Positions per compressed entry of layer `layer` (0: a sliding layer)."""
+        kind = self.layer_types[layer]
+        return 0 if kind == "sliding" else self.csa_ratio if kind == "csa" else self.hca_ratio

@@ -1,9 +1,11 @@
 """The attention kinds, one entry each (as indexer/selection.py holds the selection kinds):
-the module a layer of the kind builds, the ModelConfig section that selects it, the fields
-its layers cache, the width of the indexer's query input, and its parameters' logical axes.
-model.transformer builds the kind's module, model.cache allocates its fields, model.sharding
-places its parameters by these axes, and model.costs counts it by its entry in
-model.costs.ATTENTION_COSTS. A new kind is its module, its entry here and its cost entry.
+the module a layer of the kind builds, the rule that selects it for a layer of a config,
+the fields its layers cache, the width of the indexer's query input, and its parameters'
+logical axes. The kind is chosen per layer (DeepSeek-V4 mixes sliding, CSA and HCA layers
+in one stack). model.transformer builds the kind's module, model.cache allocates its
+fields, model.sharding places its parameters by these axes, and model.costs counts it by
+its entry in model.costs.ATTENTION_COSTS. A new kind is its module, its entry here and its
+cost entry.
 """
 
 import dataclasses
@@ -11,6 +13,7 @@ from collections.abc import Callable
 
 from model.attention import Attention
 from model.cache_field import CacheField, model_dtype
+from model.deepseek_v4.modules import Compressor, CSAttention, HCAttention, SlidingAttention
 from model.mla import MLAttention
 
 
@@ -31,6 +34,42 @@ class AttentionKind:
     cache_fields: dict
     indexer_query_dim: Callable
     param_axes: tuple
+    self_indexed: bool = False
+
+
+def _v4_head(c):
+    return (c.head_dim,)
+
+
+# Sliding window ring shared by the three V4 kinds (the same field object: one home).
+_V4_WINDOW = CacheField("kv", _v4_head, model_dtype, ("window", "head_dim"),
+                        fixed_rows=lambda c: c.v4.sliding_window)
+
+
+def _v4_compressed_fields(kind):
+    """A compressed kind's entries (a row per its ratio positions) and its compressor's
+    tail ring; CSA's indexer keeps the same pair at index_dim ("index" part)."""
+    if kind == "sliding":
+        return {}
+    overlap = kind == "csa"
+    ratio = f"v4.{kind}_ratio"
+
+    def tail(part, dim, fill):
+        width = lambda c: (2 if overlap else 1) * dim(c)  # noqa: E731
+        return CacheField(part, lambda c: (width(c),), model_dtype, ("window", None), fill,
+                          fixed_rows=lambda c: Compressor.tail_rows(getattr(c.v4, f"{kind}_ratio"),
+                                                              overlap))
+
+    def group(prefix, part, dim):
+        return {f"{prefix}_entries": CacheField(part, lambda c: (dim(c),), model_dtype,
+                                                ("entries", None), 0.0, ratio),
+                f"{prefix}_tail_kv": tail(part, dim, 0.0),
+                f"{prefix}_tail_gate": tail(part, dim, float("-inf"))}
+
+    fields = group(kind, "kv", lambda c: c.head_dim)
+    if overlap:
+        fields.update(group("csa_index", "index", lambda c: c.index_dim))
+    return fields
 
 
 ATTENTION_KINDS = {kind.name: kind for kind in (
@@ -47,7 +86,7 @@ ATTENTION_KINDS = {kind.name: kind for kind in (
     AttentionKind(
         # MLA (model/mla.py): [c | k_rope] per token, one head shared by every attention
         # head; V3.2's indexer reads its queries from the q-LoRA residual.
-        "mla", MLAttention, lambda c: c.mla is not None,
+        "mla", MLAttention, lambda c, layer: c.mla is not None,
         {"kv_latent": CacheField("kv", lambda c: (c.mla.latent_dim,), model_dtype,
                                  ("cache_seq", "latent"))},
         lambda c: c.mla.q_lora_rank,
@@ -57,15 +96,27 @@ ATTENTION_KINDS = {kind.name: kind for kind in (
          (r"attn/(q_a_norm|kv_a_norm)/scale$", ("latent",)),
          (r"attn/(q_b|kv_b)/kernel$", ("latent", "heads")),
          (r"attn/wo/kernel$", ("heads", "embed")))),
+    # DeepSeek-V4 (model/deepseek_v4/modules.py): every layer attends its last
+    # sliding_window tokens (the "window" ring, a constant per layer); CSA and HCA layers
+    # also their compressed entries, a row per `ratio` positions, and the compressors'
+    # tails. The weights stay whole on every device (tensor parallelism for V4: not yet).
+    *(AttentionKind(
+        kind, module, lambda c, layer, kind=kind: c.v4 is not None and
+        c.v4.layer_types[layer] == kind,
+        {"window": _V4_WINDOW, **_v4_compressed_fields(kind)},
+        lambda c: None, ((r"attn/", None),), self_indexed=True)
+      for kind, module in (("sliding", SlidingAttention), ("csa", CSAttention),
+                           ("hca", HCAttention))),
 )}
 
 
-def attention_kind(config):
-    """The AttentionKind of the model's layers: the one that selects the config, else the
-    default kind. ValueError when several select it."""
-    chosen = [k for k in ATTENTION_KINDS.values() if k.selects is not None and k.selects(config)]
+def attention_kind(config, layer=0):
+    """The AttentionKind of layer `layer`: the one that selects it, else the default kind.
+    ValueError when several select it."""
+    chosen = [k for k in ATTENTION_KINDS.values()
+              if k.selects is not None and k.selects(config, layer)]
     if len(chosen) > 1:
-        raise ValueError(f"several attention kinds select this config: "
+        raise ValueError(f"several attention kinds select layer {layer} of this config: "
                          f"{[k.name for k in chosen]}")
     if chosen:
         return chosen[0]
@@ -78,8 +129,9 @@ def register_attention(kind):
     ValueError when another kind already declares one of its cache fields."""
     if not isinstance(kind, AttentionKind):
         raise TypeError(f"register_attention takes an AttentionKind, got {type(kind).__name__}")
-    clash = sorted({name for other in ATTENTION_KINDS.values() if other.name != kind.name
-                    for name in other.cache_fields} & set(kind.cache_fields))
+    clash = sorted(name for other in ATTENTION_KINDS.values() if other.name != kind.name
+                   for name, f in other.cache_fields.items()
+                   if name in kind.cache_fields and kind.cache_fields[name] is not f)
     if clash:
         raise ValueError(f"attention kind {kind.name!r}: cache fields {clash} belong to "
                          f"another kind")

@@ -49,9 +49,10 @@ def field(name):
 
 def layer_fields(config, layer):
     """The fields layer `layer` holds: its attention kind's, then the index fields unless
-    the layer is shared."""
-    shared = config.layer_is_shared(layer)
-    return (*attention_kind(config).cache_fields, *(() if shared else INDEX_FIELDS))
+    the layer is shared or its kind indexes itself (DeepSeek-V4)."""
+    kind = attention_kind(config, layer)
+    skip = config.layer_is_shared(layer) or kind.self_indexed
+    return (*kind.cache_fields, *(() if skip else INDEX_FIELDS))
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -131,10 +132,22 @@ def init_cache(config, capacity):
     return out
 
 
-def cache_capacity(cache, *, batched=False):
-    """Positions a cache (a list of LayerCache; batched: a leading slot axis) holds."""
-    name = next(n for n in cache[0].names if field(n).per_token)
-    return int(cache[0].fields[name].shape[1 if batched else 0])
+def cache_capacity(cache, config=None, *, batched=False):
+    """Positions a cache (a list of LayerCache; batched: a leading slot axis) holds: the
+    rows of its first field that grows with them, times that field's positions per row
+    (capacities are multiples of each: model.buckets). config: needed when that field's
+    unit is a config value (DeepSeek-V4's compressed entries)."""
+    axis = 1 if batched else 0
+    for layer in cache:
+        for name in layer.names:
+            f = field(name)
+            if f.is_state:
+                continue
+            if config is None and not isinstance(f.positions_per_row, int):
+                raise ValueError(f"cache_capacity: field {name!r} holds a row per "
+                                 f"{f.positions_per_row} positions: pass the config")
+            return int(layer.fields[name].shape[axis]) * f.stride(config)
+    raise ValueError("cache_capacity: no layer of this cache holds positions")
 
 
 def part_copy(cache, part):
@@ -200,15 +213,30 @@ def init_sharded_cache(config, capacity, mesh):
 
 def layer_bytes_per_token(config, layer=0):
     """Bytes per cached token of layer `layer`: {"kv", "index_keys", "block_summaries"}
-    (a field of several positions per row divided by them)."""
+    (a field of several positions per row divided by them; a state field, the same bytes
+    at every length, counts nothing: layer_state_bytes)."""
     out = {"kv": 0, "index_keys": 0, "block_summaries": 0.0}
     for name in layer_fields(config, layer):
         f = field(name)
+        if f.is_state:
+            continue
         row = int(np.prod(f.shape(config), dtype=np.int64)) * jnp.dtype(f.dtype(config)).itemsize
-        group = "kv" if f.part == "kv" else "index_keys" if f.per_token else \
-            "block_summaries"
+        group = "kv" if f.part == "kv" else "block_summaries" if f.positions_per_row == BLOCK \
+            else "index_keys"
         out[group] += row if f.per_token else row / f.stride(config)
     return out
+
+
+def layer_state_bytes(config, layer=0):
+    """Bytes of layer `layer`'s state fields (DeepSeek-V4's window and compressor tails): a
+    constant per request, whatever its length."""
+    total = 0
+    for name in layer_fields(config, layer):
+        f = field(name)
+        if f.is_state:
+            total += (f.rows(0, config) * int(np.prod(f.shape(config), dtype=np.int64))
+                      * jnp.dtype(f.dtype(config)).itemsize)
+    return total
 
 
 def bytes_per_token(config):

@@ -15,7 +15,10 @@ class CacheField:
     axes: logical axes of every dim, rows first (model.sharding); fill: an empty row's
     value. positions_per_row: the unit, as positions one row holds: 1 (a row per token), or
     the dotted name of the ModelConfig field that says (e.g. "hierarchical.block_size": a
-    row per key block; a compressed cache names its compression ratio)."""
+    row per key block; a compressed cache names its compression ratio). fixed_rows: None, or
+    config -> a row count that does not grow with the positions cached (a ring of the last
+    tokens, a layer's state: DeepSeek-V4's window and compressor tails); such a field is
+    part of a request's state, not of its prefix."""
 
     part: str
     shape: Callable
@@ -23,10 +26,15 @@ class CacheField:
     axes: tuple
     fill: float = 0.0
     positions_per_row: int | str = 1
+    fixed_rows: Callable | None = None
 
     @property
     def per_token(self):
-        return self.positions_per_row == 1
+        return self.positions_per_row == 1 and self.fixed_rows is None
+
+    @property
+    def is_state(self):
+        return self.fixed_rows is not None
 
     def stride(self, config):
         """Positions one row holds, under `config`."""
@@ -35,7 +43,9 @@ class CacheField:
         return int(operator.attrgetter(self.positions_per_row)(config))
 
     def rows(self, length, config):
-        """Rows that hold the first `length` positions."""
+        """Rows that hold the first `length` positions (a state field: its fixed rows)."""
+        if self.fixed_rows is not None:
+            return int(self.fixed_rows(config))
         return -(-int(length) // self.stride(config))
 
 

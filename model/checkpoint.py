@@ -23,7 +23,7 @@ from model.transformer import Transformer, with_config
 ARCHITECTURE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                        "d_ff", "index_heads", "index_dim", "index_rope_dim", "rope_theta",
                        "norm_eps", "tie_embeddings", "mla", "moe", "yarn",
-                       "index_rope_interleaved")
+                       "index_rope_interleaved", "v4")
 
 
 def _architecture(config, name):

@@ -5,7 +5,7 @@ import json
 
 from indexer.config import FrozenConfig, HierarchicalConfig, YarnConfig
 from indexer.selection import selection_kind
-from model.architecture import MLAConfig, MoEConfig
+from model.architecture import DeepseekV4Config, MLAConfig, MoEConfig
 
 ATTENTION_KINDS = ("dense", "sparse")
 DTYPES = ("float32", "bfloat16")
@@ -103,7 +103,10 @@ class ModelConfig(FrozenConfig):
     unused; the indexer's queries come from the q-LoRA residual), moe (a MoEConfig: the
     DeepSeekMoE feed-forward in its "sparse" layers), yarn (a YarnConfig: YaRN RoPE
     frequencies for attention and the indexer), index_rope_interleaved (the indexer's rotary
-    dims hold interleaved pairs: GLM-5). dtype: the compute and cache dtype; param_dtype:
+    dims hold interleaved pairs: GLM-5), v4 (a DeepseekV4Config: DeepSeek-V4's sliding,
+    CSA and HCA layers with hyper-connections; head_dim is then its shared K = V head,
+    index_heads / index_dim / top_k its CSA indexer's, which selects compressed entries
+    flat; n_kv_heads is unused). dtype: the compute and cache dtype; param_dtype:
     how the weights are stored ("float32", the default: training keeps float32 weights;
     a checkpoint loaded for inference stores them in its own dtype, e.g. bfloat16 for
     DeepSeek-V3.2, so the weights take the bytes the checkpoint does; norms and the MoE
@@ -146,11 +149,12 @@ class ModelConfig(FrozenConfig):
     moe: MoEConfig | None = None
     yarn: YarnConfig | None = None
     index_rope_interleaved: bool = False
+    v4: DeepseekV4Config | None = None
 
     def __post_init__(self):
         for name, kind, optional in (("hierarchical", HierarchicalConfig, False),
                                      ("mla", MLAConfig, True), ("moe", MoEConfig, True),
-                                     ("yarn", YarnConfig, True)):
+                                     ("yarn", YarnConfig, True), ("v4", DeepseekV4Config, True)):
             value = getattr(self, name)
             if isinstance(value, dict):
                 object.__setattr__(self, name, value := kind.from_dict(value))
@@ -227,12 +231,34 @@ class ModelConfig(FrozenConfig):
             raise ValueError(f"ModelConfig.index_rope_dim ({self.index_rope_dim}) must be <= "
                              f"mla.qk_rope_head_dim ({self.mla.qk_rope_head_dim}): the indexer "
                              f"rotates with attention's frequencies")
+        if self.v4 is not None:
+            self._check_v4()
         budget = self.hierarchical.min_budget_tokens()
         if self.indexer == "hierarchical" and budget is not None and budget < self.top_k:
             which = "length_budgets' tokens" if self.hierarchical.length_budgets else \
                 "candidate_tokens"
             raise ValueError(f"ModelConfig.hierarchical.{which} must be >= top_k "
                              f"({self.top_k}), got {budget}")
+
+    def _check_v4(self):
+        v4 = self.v4
+        if len(v4.layer_types) != self.n_layers:
+            raise ValueError(f"ModelConfig.v4.layer_types must have one entry per layer "
+                             f"({self.n_layers}), got {len(v4.layer_types)}")
+        if self.mla is not None:
+            raise ValueError("ModelConfig: v4 and mla are two attention kinds; set one")
+        if self.indexer != "flat":
+            raise ValueError(f"ModelConfig.indexer must be 'flat' with v4 (DeepSeek-V4's CSA "
+                             f"indexer selects compressed entries flat), got {self.indexer!r}")
+        if self.indexer_types:
+            raise ValueError("ModelConfig.indexer_types must be empty with v4: every CSA "
+                             "layer runs its own indexer")
+        if v4.qk_rope_head_dim > min(self.head_dim, self.index_dim):
+            raise ValueError(f"ModelConfig.v4.qk_rope_head_dim ({v4.qk_rope_head_dim}) must be "
+                             f"<= head_dim ({self.head_dim}) and index_dim ({self.index_dim})")
+        if (self.n_heads * self.head_dim) % v4.o_groups:
+            raise ValueError(f"ModelConfig.v4.o_groups ({v4.o_groups}) must divide n_heads x "
+                             f"head_dim ({self.n_heads * self.head_dim})")
 
     @property
     def indexer_rope_scaling(self):
@@ -246,6 +272,10 @@ class ModelConfig(FrozenConfig):
     def layer_is_moe(self, layer):
         """Whether layer `layer`'s feed-forward is the MoE (else the dense SwiGLU)."""
         return self.moe is not None and self.moe.layer_is_moe(layer)
+
+    def layer_is_hashed(self, layer):
+        """Whether layer `layer`'s MoE picks its experts by token id (moe.mlp_layer_types)."""
+        return self.moe is not None and self.moe.layer_is_hashed(layer)
 
     def layer_is_shared(self, layer):
         """Whether layer `layer` reuses an earlier layer's selection (indexer_types)."""
@@ -364,7 +394,10 @@ def keep_layers(config, layers):
     moe = config.moe
     if moe is not None and moe.mlp_layer_types:
         moe = moe.replace(mlp_layer_types=pick(moe.mlp_layer_types))
-    return config.replace(n_layers=len(layers), moe=moe,
+    v4 = config.v4
+    if v4 is not None:
+        v4 = v4.replace(layer_types=pick(v4.layer_types))
+    return config.replace(n_layers=len(layers), moe=moe, v4=v4,
                           indexer_types=pick(config.indexer_types),
                           layer_candidate_tokens=pick(config.layer_candidate_tokens),
                           flat_index_layers=renumber(config.flat_index_layers),

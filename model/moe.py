@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_kernels
 from model import sharding
-from model.layers import SwiGLU
+from model.layers import SwiGLU, swiglu
 
 EXPERT_GROUP = ("expert", "tensor")  # the mesh axes the routed experts split over
 
@@ -70,15 +70,6 @@ def _weights(scores, experts, moe):
     if moe.norm_topk_prob:
         weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
     return weights * moe.routed_scaling_factor, experts
-
-
-def swiglu(gate, up, limit=None):
-    """silu(gate) * up; with a limit (DeepSeek-V4's swiglu_limit) gate clamped at most
-    limit and up to [-limit, limit] first."""
-    if limit is not None:
-        gate = jnp.minimum(gate, limit)
-        up = jnp.clip(up, -limit, limit)
-    return jax.nn.silu(gate) * up
 
 
 def expert_mix(x, weights, experts, stored, scale_block=None, *, implementation=None,
@@ -140,15 +131,19 @@ class MoE(nnx.Module):
     """Router (`router` [E, D], `bias` [E]: e_score_correction_bias), routed experts
     (`gate`, `up` [E, D, F], `down` [E, F, D]) and the shared experts' SwiGLU. With
     moe.fp8_block the routed experts are e4m3 beside f32 `gate_scale`, `up_scale`,
-    `down_scale` (fp8_scale_block), read as stored by the grouped-matmul op."""
+    `down_scale` (fp8_scale_block), read as stored by the grouped-matmul op. hash_vocab:
+    a hash layer (DeepSeek-V4's first layers): `tid2eid` i32[hash_vocab, k] names each
+    token id's experts, and the call takes the token ids."""
 
-    def __init__(self, d_model, moe, *, rngs, dtype=jnp.float32, param_dtype=jnp.float32):
+    def __init__(self, d_model, moe, *, rngs, dtype=jnp.float32, param_dtype=jnp.float32,
+                 hash_vocab=None):
         E, F = moe.n_routed_experts, moe.moe_intermediate_size
         init = nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
         self.moe, self.dtype = moe, dtype
         self.router = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (E, d_model),
                                                                  jnp.float32))
-        self.bias = nnx.Param(jnp.zeros((E,), jnp.float32))
+        # A hash layer chooses by token id: no choice bias
+        self.bias = None if hash_vocab is not None else nnx.Param(jnp.zeros((E,), jnp.float32))
         shapes = {"gate": (E, d_model, F), "up": (E, d_model, F), "down": (E, F, d_model)}
         for name, shape in shapes.items():
             w = init(rngs.params(), shape, jnp.float32 if moe.fp8_block else param_dtype)
@@ -159,7 +154,14 @@ class MoE(nnx.Module):
             else:
                 setattr(self, name, nnx.Param(w))
         self.shared = (SwiGLU(d_model, F * moe.n_shared_experts, rngs=rngs, dtype=dtype,
-                              param_dtype=param_dtype) if moe.n_shared_experts else None)
+                              param_dtype=param_dtype, limit=moe.swiglu_limit)
+                       if moe.n_shared_experts else None)
+        if hash_vocab is not None:  # random distinct experts per token id
+            draw = jax.random.uniform(rngs.params(), (hash_vocab, E))
+            self.tid2eid = nnx.Param(jnp.argsort(draw, axis=1)[:, :moe.num_experts_per_tok]
+                                     .astype(jnp.int32))
+        else:
+            self.tid2eid = None
 
     def expert_weights(self):
         """(the routed experts' arrays as stored, their scale block or None), for
@@ -171,23 +173,31 @@ class MoE(nnx.Module):
         return (stored + tuple(getattr(self, f"{n}_scale")[...] for n in names),
                 fp8_scale_block(self.moe.fp8_block))
 
-    def __call__(self, x):
+    def __call__(self, x, tokens=None):
+        """x [T, D]; tokens i32[T]: the token ids (read by a hash layer only)."""
         mesh = sharding.current_mesh()
         group = 1 if mesh is None else sharding.mesh_axis_sizes(EXPERT_GROUP, mesh.shape)
         stored, scale_block = self.expert_weights()
+        token_experts = None
+        if self.tid2eid is not None:
+            if tokens is None:
+                raise ValueError("MoE: a hash layer picks its experts by token id: pass tokens")
+            token_experts = self.tid2eid[...][tokens]
+        bias = (jnp.zeros((self.moe.n_routed_experts,), jnp.float32) if self.bias is None
+                else self.bias[...])
         routed = (expert_parallel_mix if group > 1 else local_mix)(
-            x, self.router[...], self.bias[...], stored, scale_block, self.moe, mesh)
+            x, self.router[...], bias, stored, scale_block, self.moe, mesh, token_experts)
         return routed if self.shared is None else routed + self.shared(x)
 
 
-def local_mix(x, router, bias, stored, scale_block, moe, mesh=None):
+def local_mix(x, router, bias, stored, scale_block, moe, mesh=None, token_experts=None):
     """The routed experts' output on one device (or under GSPMD): route, then mix.
     stored, scale_block: as MoE.expert_weights gives them."""
-    weights, experts = route(x, router, bias, moe)
-    return expert_mix(x, weights, experts, stored, scale_block)
+    weights, experts = route(x, router, bias, moe, token_experts=token_experts)
+    return expert_mix(x, weights, experts, stored, scale_block, limit=moe.swiglu_limit)
 
 
-def expert_parallel_mix(x, router, bias, stored, scale_block, moe, mesh):
+def expert_parallel_mix(x, router, bias, stored, scale_block, moe, mesh, token_experts=None):
     """local_mix with the experts split over the mesh's EXPERT_GROUP (module docstring):
     each device mixes the assignments of its own experts, a psum over the group adds them.
     Tokens stay split over "sequence" where the chunk divides."""
@@ -195,16 +205,17 @@ def expert_parallel_mix(x, router, bias, stored, scale_block, moe, mesh):
     rows = P("sequence" if S > 1 and x.shape[0] % S == 0 else None, None)
     experts_spec = P(EXPERT_GROUP, None, None)
 
-    def body(x, router, bias, *stored):  # stored: this device's experts only
-        weights, experts = route(x, router, bias, moe)
+    def body(x, router, bias, token_experts, *stored):  # stored: this device's experts only
+        weights, experts = route(x, router, bias, moe, token_experts=token_experts)
         n_local = stored[0].shape[0]
         local = experts - jax.lax.axis_index(EXPERT_GROUP) * n_local
         mine = (local >= 0) & (local < n_local)
         out = expert_mix(x, jnp.where(mine, weights, 0.0), jnp.where(mine, local, n_local),
-                         stored, scale_block)
+                         stored, scale_block, limit=moe.swiglu_limit)
         return jax.lax.psum(out, EXPERT_GROUP)
 
     fn = sharding.shard_map(body, mesh=mesh,
-                            in_specs=(rows, P(), P()) + (experts_spec,) * len(stored),
+                            in_specs=(rows, P(), P(), P() if token_experts is None else rows)
+                            + (experts_spec,) * len(stored),
                             out_specs=rows, check_vma=False)
-    return fn(x, router, bias, *stored)
+    return fn(x, router, bias, token_experts, *stored)

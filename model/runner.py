@@ -303,7 +303,7 @@ class ModelRunner:
         self._check(n, chunk, start, capture, capture_from, logits_from)
         if cache is None:
             cache = self.new_cache(capacity or (start + n), exact=exact)
-        cap = cache_capacity(cache)
+        cap = cache_capacity(cache, self.config)
         if start + n > cap:
             raise ValueError(f"cache holds {cap} positions, prefill needs {start + n}")
         _, plan = self._plan(n, chunk=chunk, start=start, logits_from=logits_from,
@@ -328,7 +328,7 @@ class ModelRunner:
 
     def decode(self, token, cache, position):
         """Appends `token` at `position`; returns (logits f32[V] for the next token, cache)."""
-        cap = cache_capacity(cache)
+        cap = cache_capacity(cache, self.config)
         if position >= cap:
             raise ValueError(f"cache holds {cap} positions, decode at position {position}")
         kv_len = min(cap, length_bucket(position + 1))
@@ -375,7 +375,7 @@ class ModelRunner:
         batch, and the causal mask hides each shorter sequence's stale positions.
         """
         positions = np.asarray(positions, dtype=np.int32)
-        cap = cache_capacity(caches, batched=True)
+        cap = cache_capacity(caches, self.config, batched=True)
         if positions.max(initial=0) >= cap or positions.min(initial=0) < 0:
             raise ValueError(f"cache holds {cap} positions, decode at positions "
                              f"{positions.tolist()}")

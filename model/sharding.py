@@ -46,6 +46,8 @@ LOGICAL_RULES = {
     "index_dim": None,
     "index_cache_seq": None,    # indexer keys: replicated, all-gathered as written
     "blocks": None,             # block summaries: replicated
+    "window": None,             # DeepSeek-V4's rings of a layer's last tokens: replicated
+    "entries": None,            # DeepSeek-V4's compressed entries: replicated
 }
 
 # Parameter path (regex over "a/b/c") -> logical axes of the array (None: replicated,
@@ -53,7 +55,9 @@ LOGICAL_RULES = {
 PARAM_RULES = (
     # DeepSeekMoE (model/moe.py): the router whole; the routed experts split whole over
     # expert x tensor, the shared experts as a dense MLP.
-    (r"mlp/(router|bias)$", None),
+    (r"mlp/(router|bias|tid2eid)$", None),
+    # DeepSeek-V4's hyper-connections: small, whole on every device.
+    (r"(attn_hc|mlp_hc|hc_head)/", None),
     (r"mlp/(gate|up)$", ("experts", "embed", "expert_mlp")),
     (r"mlp/down$", ("experts", "expert_mlp", "embed")),
     (r"mlp/(gate|up|down)_scale$", ("experts", None, None)),  # FP8 experts' block scales

@@ -17,6 +17,7 @@ from indexer.selection import selection_kind
 from model.attention import dense_causal_attention, select_tokens
 from model.attention_kinds import attention_kind
 from model.cache import init_cache, token_rows, write_index, write_rows
+from model.deepseek_v4.modules import HyperConnection
 from model.layers import RMSNorm, SwiGLU
 from model.moe import MoE
 
@@ -38,7 +39,8 @@ from model.moe import MoE
 #                       `capture_rows` when the pass is given them
 #   "indices":          i32[T, top_k], the tokens the sparse pass attended to (-1 = none;
 #                       attention="sparse" only; all -1 in config.dense_layers, which
-#                       attend to every visible token)
+#                       attend to every visible token); DeepSeek-V4: the compressed
+#                       entries a CSA layer attended to (all -1 on its other layers)
 CAPTURE_KINDS = ("indexer", "indexer_input", "attention_target", "indices")
 
 
@@ -66,6 +68,10 @@ def check_capture(config, capture):
     if "indices" in capture and config.attention != "sparse":
         raise ValueError("capture 'indices' needs attention='sparse' "
                          f"(got attention={config.attention!r})")
+    other = [c for c in capture if c != "indices"]
+    if config.v4 is not None and other:
+        raise ValueError(f"capture {other}: a DeepSeek-V4 model captures 'indices' only (its "
+                         "CSA indexer scores compressed entries, not tokens)")
     return capture
 
 
@@ -73,18 +79,24 @@ class DecoderBlock(nnx.Module):
     """Pre-norm block: x + Attn(norm(x)) with DSA selection, then x + MLP(norm(x)).
 
     A layer that is "shared" in config.indexer_types has no indexer (and no coarse screen):
-    it attends to the selection the nearest earlier full layer hands it."""
+    it attends to the selection the nearest earlier full layer hands it. DeepSeek-V4
+    (config.v4): x is hc_mult streams [T, N, d_model] and each sum is a hyper-connection
+    (attn_hc, mlp_hc); its attention kinds run their own indexer (self_indexed)."""
 
     def __init__(self, config, *, layer, rngs):
         dtype, param_dtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         self.config = config
         self.layer = layer  # index in the stack, for the config's per-layer switches
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
-        # The attention kind (model.attention_kinds: GQA, or MLA for DeepSeek-style models):
-        # project / read / output / scale, over the cache fields its entry names.
-        kind = attention_kind(config)
+        # The layer's attention kind (model.attention_kinds: GQA, MLA for V3.2 / GLM-5, or
+        # V4's sliding / CSA / HCA), over the cache fields its entry names.
+        kind = attention_kind(config, layer)
+        self.self_indexed = kind.self_indexed
         self.attn = kind.module(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        if config.layer_is_shared(layer):
+        v4 = config.v4 is not None
+        self.attn_hc = HyperConnection(config, rngs=rngs) if v4 else None
+        self.mlp_hc = HyperConnection(config, rngs=rngs) if v4 else None
+        if config.layer_is_shared(layer) or kind.self_indexed:
             self.indexer = self.coarse_screen = None
         else:
             # The indexer's query input is the kind's (V3.2: MLA's q-LoRA residual).
@@ -100,14 +112,16 @@ class DecoderBlock(nnx.Module):
         self.mlp_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         if config.layer_is_moe(layer):
             self.mlp = MoE(config.d_model, config.moe, dtype=dtype, param_dtype=param_dtype,
-                           rngs=rngs)
+                           rngs=rngs, hash_vocab=config.vocab_size
+                           if config.layer_is_hashed(layer) else None)
         else:
             self.mlp = SwiGLU(config.d_model, config.d_ff, dtype=dtype, param_dtype=param_dtype,
                               rngs=rngs)
 
     def __call__(self, x, cache, start, kv_len, n_valid=None, capture=(), parallel=None,
-                 handoff=None, capture_rows=None):
-        """x: [T, d_model] at positions start.. ; keys read from cache[:kv_len].
+                 handoff=None, capture_rows=None, tokens=None):
+        """x: [T, d_model] (V4: [T, hc_mult, d_model]) at positions start.. ; keys read from
+        cache[:kv_len]; tokens: i32[T], the ids (a hash-routed MoE reads them).
 
         Returns (x_out, new_cache, captured, handoff): captured maps each kind in `capture`
         (see CAPTURE_KINDS; checked by the Transformer) to this layer's value; handoff is
@@ -122,8 +136,30 @@ class DecoderBlock(nnx.Module):
         or a model.sequence_parallel.SequenceParallel (a sequence-sharded cache: its
         selection and sparse attention replace this layer's; same results).
         """
+        h, mixing = (x, None) if self.attn_hc is None else self.attn_hc.read(x)
+        h = self.attn_norm(h)
+        if self.self_indexed:
+            if parallel is not None:
+                raise ValueError("a sequence-sharded cache (mesh sequence axis > 1) does not "
+                                 "run DeepSeek-V4's attention yet")
+            out, cache, captured = self.attn(h, cache, start, kv_len, n_valid, capture)
+        else:
+            out, cache, captured, handoff = self._dsa_attention(
+                h, cache, start, kv_len, n_valid, capture, parallel, handoff, capture_rows)
+        x = x + out if self.attn_hc is None else self.attn_hc.write(x, out, mixing)
+        h, mixing = (x, None) if self.mlp_hc is None else self.mlp_hc.read(x)
+        h = self.mlp_norm(h)
+        out = self.mlp(h, tokens) if isinstance(self.mlp, MoE) else self.mlp(h)
+        x = x + out if self.mlp_hc is None else self.mlp_hc.write(x, out, mixing)
+        return x, cache, captured, handoff
+
+    def _dsa_attention(self, h, cache, start, kv_len, n_valid, capture, parallel, handoff,
+                       capture_rows):
+        """The DSA layer's attention of the normed input h [T, d_model]: its indexer, the
+        selection and the sparse (or dense) read -> (out [T, d_model], cache, captured,
+        handoff)."""
         config = self.config
-        T = x.shape[0]
+        T = h.shape[0]
         positions = start + jnp.arange(T)
         # A kind that ranks the attention itself (the oracle) selects once the layer has
         # read its keys, not from the indexer.
@@ -131,7 +167,6 @@ class DecoderBlock(nnx.Module):
         if oracle and parallel is not None:
             raise ValueError(f"ModelConfig.indexer {config.layer_indexer(self.layer)!r} ranks "
                              "dense attention and runs on one device only (no sequence axis)")
-        h = self.attn_norm(x)
         q, rows, index_query = self.attn.project(h, positions)
         names = tuple(rows)
         if parallel is None:
@@ -189,14 +224,13 @@ class DecoderBlock(nnx.Module):
                 out = dense_causal_attention(q, keys, values, q_offset=start, scale=scale)
             if "indices" in capture:
                 captured["indices"] = jnp.full((T, config.top_k), -1, jnp.int32)
-        x = x + self.attn.output(out)
-        x = x + self.mlp(self.mlp_norm(x))
-        return x, cache, captured, (inputs, indices, source)
+        return self.attn.output(out), cache, captured, (inputs, indices, source)
 
 
 def _block_call(block, x, cache, start, kv_len, n_valid, capture, parallel, handoff,
-                capture_rows):
-    return block(x, cache, start, kv_len, n_valid, capture, parallel, handoff, capture_rows)
+                capture_rows, tokens):
+    return block(x, cache, start, kv_len, n_valid, capture, parallel, handoff, capture_rows,
+                 tokens)
 
 
 # Rematerialised block for training memory: one block's activations alive at a time.
@@ -212,6 +246,9 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([DecoderBlock(config, layer=i, rngs=rngs)
                                 for i in range(config.n_layers)])
         self.final_norm = RMSNorm(config.d_model, eps=config.norm_eps)
+        # DeepSeek-V4: the streams' final collapse before the norm
+        self.hc_head = (HyperConnection(config, rngs=rngs, head=True)
+                        if config.v4 is not None else None)
         if not config.tie_embeddings:
             self.lm_head = nnx.Linear(config.d_model, config.vocab_size, use_bias=False,
                                       dtype=dtype, param_dtype=param_dtype,
@@ -232,17 +269,19 @@ class Transformer(nnx.Module):
         kinds = check_capture(self.config, capture)
         call = _remat_block_call if remat else _block_call
         x = self.embed(tokens)
+        if self.hc_head is not None:  # V4: the embedding starts every stream
+            x = jnp.repeat(x[:, None, :], self.config.v4.hc_mult, axis=1)
         new_cache = []
         captured = {kind: [] for kind in kinds}
         handoff = None
         for layer, layer_cache in zip(self.layers, cache):
             x, layer_cache, layer_captured, handoff = call(layer, x, layer_cache, start, kv_len,
                                                            n_valid, kinds, parallel, handoff,
-                                                           capture_rows)
+                                                           capture_rows, tokens)
             new_cache.append(layer_cache)
             for kind in kinds:
                 captured[kind].append(layer_captured[kind])
-        h = self.final_norm(x)
+        h = self.final_norm(x if self.hc_head is None else self.hc_head.read(x)[0])
         logits = (self.embed.attend(h) if self.config.tie_embeddings
                   else self.lm_head(h)).astype(jnp.float32)
         if kinds:

@@ -28,15 +28,26 @@ def project(x, wq_a, q_norm, wq_b, wkv, kv_norm, cos, sin, *, n_heads, eps):
     return q, kv, q_residual
 
 
-def attend(q, keys, visible, sinks):
-    """Softmax attention with sinks: q [T, H, D], keys = values [L, D], visible bool[T, L],
-    sinks [H] -> [T, H, D] (float32 softmax; a row with nothing visible gives 0)."""
+def attend(q, keys, visible, sinks, own_keys=None, own_visible=None):
+    """Softmax attention with sinks: q [T, H, D], keys = values [L, D] shared by the queries,
+    visible bool[T, L], sinks [H]; own_keys [T, k, D] with own_visible bool[T, k]: each
+    query's own further keys (a CSA layer's chosen entries), in the same softmax -> [T, H, D]
+    (float32 softmax; a row with nothing visible gives 0)."""
     D = q.shape[-1]
     logits = jnp.einsum("thd,ld->thl", q, keys, preferred_element_type=jnp.float32) * D ** -0.5
-    logits = jnp.where(visible[:, None, :], logits, -jnp.inf)
+    parts = [jnp.where(visible[:, None, :], logits, -jnp.inf)]
+    if own_keys is not None:
+        own = jnp.einsum("thd,tkd->thk", q, own_keys,
+                         preferred_element_type=jnp.float32) * D ** -0.5
+        parts.append(jnp.where(own_visible[:, None, :], own, -jnp.inf))
     sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], (*logits.shape[:2], 1))
-    probs = jax.nn.softmax(jnp.concatenate([logits, sink], axis=-1), axis=-1)[..., :-1]
-    return jnp.einsum("thl,ld->thd", probs.astype(keys.dtype), keys)
+    probs = jax.nn.softmax(jnp.concatenate([*parts, sink], axis=-1), axis=-1)
+    L = keys.shape[0]
+    out = jnp.einsum("thl,ld->thd", probs[..., :L].astype(keys.dtype), keys)
+    if own_keys is not None:
+        out = out + jnp.einsum("thk,tkd->thd", probs[..., L:-1].astype(own_keys.dtype),
+                               own_keys)
+    return out
 
 
 def window_visible(positions, key_positions, window):

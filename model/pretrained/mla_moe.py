@@ -9,6 +9,7 @@ checkpoints carry one multi-token-prediction layer past num_hidden_layers
 """
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,13 +28,25 @@ from model.transformer import Transformer
 class DSAFamily:
     """model_type: config.json's; architecture: its class name; index_rope_interleaved:
     the indexer's rotary dims hold interleaved pairs (GLM-5) or halves (V3.2);
-    reads_indexer_types: config.json's indexer_types (GLM-5's shared layers)."""
+    reads_indexer_types: config.json's indexer_types (GLM-5's shared layers).
+    make_config, tensor_map: the family's own config.json reading and tensor names (None:
+    this module's dsa_config and tensor_map, MLA + DeepSeekMoE)."""
 
     model_type: str
     architecture: str
     index_rope_interleaved: bool
     reads_indexer_types: bool
     chat: str  # how chat prompts are formatted (docs/models.md)
+    make_config: Callable | None = None
+    tensor_map: Callable | None = None
+
+    def config(self, config, *, source, **kwargs):
+        """The ModelConfig of a config.json of this family."""
+        return (self.make_config or dsa_config)(config, self, source=source, **kwargs)
+
+    def tensors(self, config):
+        """Tensor name -> (dosa path, transposed?, expert or None, shape): what it reads."""
+        return (self.tensor_map or tensor_map)(config)
 
 
 def _get(config, key, source, default=KeyError):
@@ -176,7 +189,8 @@ def tensor_map(config):
     return out
 
 
-def build_dsa_transformer(config, read_tensor, *, source, names, mesh=None, read_fp8=None):
+def build_dsa_transformer(config, read_tensor, *, source, names, mesh=None, read_fp8=None,
+                          tensors=None):
     """A Transformer for `config` with every weight from read_tensor(name) (float32 numpy,
     released names; `names`: the tensors the files hold), streamed: the model is created
     abstractly (shapes only), then each parameter is read, converted and placed, on one
@@ -186,10 +200,11 @@ def build_dsa_transformer(config, read_tensor, *, source, names, mesh=None, read
     tensor for a missing, misshapen or non-finite one. Tensors past the model (the
     multi-token-prediction layer) are never read. With config.moe.fp8_block the routed
     experts are read as stored, read_fp8(name) -> (e4m3, block scales, block), and kept so
-    (model.moe: transposed like the weights)."""
+    (model.moe: transposed like the weights). tensors: the family's map (DSAFamily.tensors;
+    default this module's tensor_map)."""
     from model import sharding
 
-    wanted = tensor_map(config)
+    wanted = tensor_map(config) if tensors is None else tensors
     missing = sorted(set(wanted) - set(names))
     if missing:
         raise PretrainedFormatError(f"{source}: tensors missing from the checkpoint: "

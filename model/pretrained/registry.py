@@ -26,7 +26,7 @@ from model.pretrained.indexer_weights import (
     read_indexer_meta,
 )
 from model.pretrained.llama import PretrainedFormatError, build_transformer, llama_config
-from model.pretrained.mla_moe import build_dsa_transformer, dsa_config
+from model.pretrained.mla_moe import build_dsa_transformer
 from model.pretrained.safetensors_dir import DSA_FAMILIES, SafetensorsCheckpoint
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -221,8 +221,8 @@ def load_pretrained(name_or_path, *, dtype=None, indexer_dir="default", seed=0, 
 
 def _load_dsa_family(checkpoint, path, *, dtype, indexer_dir, mesh=None, context=None,
                      device_memory=None, fp8_experts=False, **overrides):
-    """A DeepSeek-V3.2 / GLM-5 Hugging Face folder: its config, weights (trained indexers
-    included) and tokenizer (model.pretrained.mla_moe)."""
+    """A DeepSeek-V3.2 / GLM-5 / DeepSeek-V4 Hugging Face folder: its config, weights
+    (trained indexers included) and tokenizer (model.pretrained.mla_moe, deepseek_v4)."""
     if indexer_dir not in ("default", None):
         raise ValueError(f"{path}: a {checkpoint.family} checkpoint carries its own trained "
                          "indexers; indexer_dir does not apply")
@@ -231,7 +231,7 @@ def _load_dsa_family(checkpoint, path, *, dtype, indexer_dir, mesh=None, context
         stored = checkpoint.config.get("dtype") or checkpoint.config.get("torch_dtype")
         dtype = ("bfloat16" if checkpoint.config.get("quantization_config")
                  else stored if stored in ("float32", "bfloat16") else "bfloat16")
-    config = dsa_config(checkpoint.config, family, source=path, dtype=dtype, **overrides)
+    config = family.config(checkpoint.config, source=path, dtype=dtype, **overrides)
     if fp8_experts:
         block = fp8_block_size(checkpoint.config, path / "config.json")
         if block is None:
@@ -245,7 +245,8 @@ def _load_dsa_family(checkpoint, path, *, dtype, indexer_dir, mesh=None, context
                    device_memory, source=path)
     model = build_dsa_transformer(config, checkpoint.read, source=path,
                                   names=checkpoint.names, mesh=mesh,
-                                  read_fp8=checkpoint.read_fp8)
+                                  read_fp8=checkpoint.read_fp8,
+                                  tensors=family.tensors(config))
     info = dict(name=None, path=str(path), format="safetensors", family=family.model_type,
                 indexer="checkpoint", chat=family.chat)
     return Pretrained(model, checkpoint.tokenizer(), info)

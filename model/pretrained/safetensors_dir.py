@@ -8,12 +8,13 @@ import pathlib
 import numpy as np
 
 from model.pretrained import fp8
+from model.pretrained.deepseek_v4 import FAMILY as DEEPSEEK_V4
 from model.pretrained.deepseek_v32 import FAMILY as DEEPSEEK_V32
 from model.pretrained.glm_moe_dsa import FAMILY as GLM_MOE_DSA
 from model.pretrained.llama import LlamaHParams, PretrainedFormatError
 
 # The DeepSeek-style families (model.pretrained.mla_moe), by model_type.
-DSA_FAMILIES = {f.model_type: f for f in (DEEPSEEK_V32, GLM_MOE_DSA)}
+DSA_FAMILIES = {f.model_type: f for f in (DEEPSEEK_V32, GLM_MOE_DSA, DEEPSEEK_V4)}
 # architectures / model_type -> family ("llama" or a DSA_FAMILIES key).
 ARCHITECTURES = {"LlamaForCausalLM": "llama",
                  **{f.architecture: f.model_type for f in DSA_FAMILIES.values()}}
@@ -22,7 +23,7 @@ MODEL_TYPES = {"llama": "llama", **{name: name for name in DSA_FAMILIES}}
 
 class SafetensorsCheckpoint:
     """A folder holding config.json, one or more *.safetensors and tokenizer.json:
-    `.family` ("llama", "deepseek_v32", "glm_moe_dsa"), `.config` (config.json),
+    `.family` ("llama", "deepseek_v32", "glm_moe_dsa", "deepseek_v4"), `.config` (config.json),
     `.hparams` (Llama only), `.read(hf_name)` -> float32 numpy, `.names`, `.tokenizer()`."""
 
     def __init__(self, path):

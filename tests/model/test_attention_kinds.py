@@ -38,7 +38,7 @@ class PackedAttention(Attention):
 
 
 PACKED = AttentionKind(
-    "packed", PackedAttention, lambda c: c.n_kv_heads == 1,  # the toy's configs
+    "packed", PackedAttention, lambda c, layer: c.n_kv_heads == 1,  # the toy's configs
     {"kv_packed": CacheField("kv", lambda c: (c.n_kv_heads, 2 * c.head_dim), model_dtype,
                              ("cache_seq", "kv_heads", "head_dim"))},
     lambda c: None, ATTENTION_KINDS["gqa"].param_axes)
@@ -58,7 +58,7 @@ def _logits(config, tokens):
 
 
 def test_the_table_lists_each_kind_once():
-    assert list(ATTENTION_KINDS) == ["gqa", "mla"]
+    assert list(ATTENTION_KINDS) == ["gqa", "mla", "sliding", "csa", "hca"]
     assert attention_kind(get_config("tiny")).name == "gqa"
     assert attention_kind(get_config("deepseek-v3.2")).name == "mla"
     assert layer_fields(get_config("tiny"), 0)[:2] == ("k", "v")
