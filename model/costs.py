@@ -102,7 +102,11 @@ ATTENTION_COSTS = {"gqa": gqa_attention, "mla": mla_attention}
 
 def attention_shape(config):
     """The config's own attention, as its kind's cost entry counts it."""
-    return ATTENTION_COSTS[attention_kind(config).name](config)
+    name = attention_kind(config).name
+    if name not in ATTENTION_COSTS:
+        raise ValueError(f"the cost model has no entry for attention kind {name!r} yet "
+                         f"(DeepSeek-V4's sliding / CSA / HCA layers: issue #55)")
+    return ATTENTION_COSTS[name](config)
 
 
 def model_selection(config, kind):

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from model.cache import bytes_per_token
+from model.cache import bytes_per_token, layer_state_bytes
 from model.sharding import MESH_AXES, mesh_axis_sizes, param_specs
 from model.transformer import Transformer
 
@@ -37,14 +37,16 @@ def working_set_bytes(config):
 
 
 def memory_per_device(config, mesh_shape, capacity):
-    """{"weights", "kv_cache", "index_cache", "working_set", "total"} bytes per device for a
-    cache of `capacity` positions on a mesh of these axis sizes (and "weights_all": the
-    parameters' bytes in all)."""
+    """{"weights", "kv_cache", "index_cache", "state", "working_set", "total"} bytes per
+    device for a cache of `capacity` positions on a mesh of these axis sizes ("state": the
+    layers' fixed-size rings, DeepSeek-V4's windows and compressor tails; "weights_all":
+    the parameters' bytes in all)."""
     weights, weights_all = param_bytes_per_device(config, mesh_shape)
     per = bytes_per_token(config)
     seq = int(mesh_shape.get("sequence", 1))
     out = {"weights": weights, "kv_cache": capacity * per["kv"] / seq,
            "index_cache": capacity * (per["index_keys"] + per["block_summaries"]),
+           "state": sum(layer_state_bytes(config, i) for i in range(config.n_layers)),
            "working_set": working_set_bytes(config)}
     out["total"] = sum(out.values())
     out["weights_all"] = weights_all

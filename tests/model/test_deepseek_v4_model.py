@@ -171,6 +171,7 @@ def test_a_bad_v4_config_names_the_key(tmp_path):
         _flash_like().replace(indexer="hierarchical")
 
 
+@pytest.mark.slow  # default-tier budget (11-12 s each): the fixture tests cover chunking
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_v4_model_from_its_config_alone_runs_chunked(dtype):
     """Random weights built from a config (no folder), windows of 16 for the sliding layer
@@ -205,3 +206,27 @@ def test_a_v4_model_from_its_config_alone_runs_chunked(dtype):
         np.testing.assert_array_equal(picked_chunked["indices"], picked["indices"])
     else:
         assert np.mean(chunked.argmax(-1) == whole.argmax(-1)) >= 0.9
+
+
+@pytest.mark.slow  # default-tier budget (8.5 s: a program per layer); the logits test covers
+@pytest.mark.parametrize("prompt", [0, 1, 2])  # the layers together
+def test_every_layer_of_the_model_equals_transformers(tiny, prompt):
+    """Each DecoderBlock of the loaded model (sliding, CSA, HCA, CSA; hash then learned
+    routing), from the streams entering it in transformers' pass: the streams leaving it
+    within 1e-4 of their largest value (per-kind figures: docs/models.md)."""
+    from flax import nnx
+
+    pretrained, reference = tiny
+    model = pretrained.model
+    hidden, tokens = reference[f"hidden_{prompt}"], jnp.asarray(reference[f"prompt_{prompt}"])
+    caches = init_cache(model.config, 256)
+
+    @nnx.jit
+    def run(block, streams, cache, tokens):
+        return block(streams, cache, 0, 256, tokens=tokens)[0]
+
+    for layer, block in enumerate(model.layers):
+        got = np.asarray(run(block, jnp.asarray(hidden[layer]), caches[layer], tokens))
+        want = hidden[layer + 1]
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < 1e-4, f"layer {layer} ({model.config.v4.layer_types[layer]}): {err:.2e}"

@@ -1,12 +1,12 @@
-"""DeepSeek-V4's hyper-connections and compressors against transformers 5.23's own pass on
-the tiny fixture (tests/fixtures/deepseek_v4: its weights, and the streams entering every
-layer, the compressed entries and the indexer's keys of every compressed layer)."""
+"""DeepSeek-V4's hyper-connections, compressors and CSA indexer, as functions over arrays,
+against transformers 5.23's own pass on the tiny fixture (tests/fixtures/deepseek_v4: its
+weights, and the streams entering every layer, the compressed entries and the indexer's
+keys of every compressed layer). The model built of them: test_deepseek_v4_model.py."""
 
 import functools
 import json
 import pathlib
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -105,6 +105,7 @@ def test_compressed_entries_and_index_keys_equal_transformers(tiny, prompt):
     assert checked == 3
 
 
+@pytest.mark.slow  # the model's chunked prefill and decode tests cover carrying in the default tier
 def test_entries_continue_across_calls_from_the_carried_window():
     """Compressing in two calls, the second given the first's last Ca slots (prior) and its
     first position, equals one call over both: CSA's overlap and the rope positions carry."""
@@ -179,140 +180,3 @@ def test_csa_index_scores_and_selection_equal_transformers(tiny, prompt):
                                    atol=1e-5 * np.abs(want[finite]).max())
         got = csa.select_entries(q, head_w, keys, config["index_topk"], start=0, ratio=ratio)
         np.testing.assert_array_equal(np.asarray(got), reference[f"indices_{prompt}_{layer}"])
-
-
-def _moe_config(config):
-    from model.architecture import MoEConfig
-
-    return MoEConfig(n_routed_experts=config["n_routed_experts"],
-                     num_experts_per_tok=config["num_experts_per_tok"],
-                     moe_intermediate_size=config["moe_intermediate_size"],
-                     n_shared_experts=config["n_shared_experts"],
-                     routed_scaling_factor=config["routed_scaling_factor"],
-                     norm_topk_prob=config["norm_topk_prob"],
-                     scoring_func=config["scoring_func"], swiglu_limit=config["swiglu_limit"])
-
-
-def _block_eager(config, weights, streams, tokens, layer):
-    """One V4 decoder layer composed of dosa's parts, in the one-shot form (positions 0..):
-    -> (the streams after it, the experts its router chose)."""
-    from model import moe as dosa_moe
-    from model.deepseek_v4 import attention, csa
-
-    w = lambda name: jnp.asarray(weights[f"model.layers.{layer}.{name}"])  # noqa: E731
-    eps, kind = config["rms_norm_eps"], config["layer_types"][layer]
-    hc = dict(hc_eps=config["hc_eps"], norm_eps=eps, sinkhorn_iters=config["hc_sinkhorn_iters"])
-    streams = jnp.asarray(streams)
-    T = streams.shape[0]
-    positions = jnp.arange(T)
-    if kind == "sliding_attention":
-        p = config["rope_parameters"]["main"]
-        cos, sin = rope_angles(positions, config["qk_rope_head_dim"], theta=p["rope_theta"])
-    else:
-        cos, sin = _compress_rope(config)[0](positions)
-
-    pre, post, comb = hyper_connections.mix_weights(
-        streams, w("hc_attn_fn"), w("hc_attn_base"), w("hc_attn_scale"), **hc)
-    x = rms_norm(hyper_connections.collapse(streams, pre), w("attn_norm.weight"), eps)
-    q, kv, q_residual = attention.project(
-        x, w("attn.wq_a.weight"), w("attn.q_norm.weight"), w("attn.wq_b.weight"),
-        w("attn.wkv.weight"), w("attn.norm.weight"), cos, sin,
-        n_heads=config["num_attention_heads"], eps=eps)
-    keys, visible = kv, attention.window_visible(positions, positions, config["sliding_window"])
-    if kind != "sliding_attention":
-        csa_layer = kind == "compressed_sparse_attention"
-        ratio = config["compress_rates"][kind]
-        whole = T // ratio * ratio
-        entries, _ = _entries(config, weights, x[:whole], f"model.layers.{layer}.attn.compressor",
-                              ratio, csa_layer)
-        if csa_layer:
-            index_keys, _ = _entries(config, weights, x[:whole],
-                                     f"model.layers.{layer}.attn.indexer.compressor", ratio, True)
-            iq, iw = csa.index_queries(q_residual, w("attn.indexer.wq_b.weight"),
-                                       w("attn.indexer.weights_proj.weight"), x, cos, sin,
-                                       n_heads=config["index_n_heads"],
-                                       head_dim=config["index_head_dim"])
-            chosen = csa.select_entries(iq, iw, index_keys, config["index_topk"], start=0,
-                                        ratio=ratio)
-            n = entries.shape[0]
-            seen = jnp.zeros((T, n + 1), bool).at[positions[:, None],
-                                                  jnp.where(chosen < 0, n, chosen)].set(True)
-            entry_visible = seen[:, :n]
-        else:
-            entry_visible = (jnp.arange(entries.shape[0])[None, :]
-                             < compressor.visible_entries(positions, ratio)[:, None])
-        keys = jnp.concatenate([kv, entries])
-        visible = jnp.concatenate([visible, entry_visible], axis=1)
-    out = attention.attend(q, keys, visible, w("attn.attn_sink"))
-    out = attention.output(out, cos, sin, w("attn.wo_a.weight"), w("attn.wo_b.weight"),
-                           groups=config["o_groups"])
-    streams = hyper_connections.expand(out, streams, post, comb)
-
-    pre, post, comb = hyper_connections.mix_weights(
-        streams, w("hc_ffn_fn"), w("hc_ffn_base"), w("hc_ffn_scale"), **hc)
-    x = rms_norm(hyper_connections.collapse(streams, pre), w("ffn_norm.weight"), eps)
-    moe = _moe_config(config)
-    E = moe.n_routed_experts
-    hashed = config["mlp_layer_types"][layer] == "hash_moe"
-    token_experts = w("ffn.gate.tid2eid")[jnp.asarray(tokens)] if hashed else None
-    bias = jnp.zeros(E) if hashed else w("ffn.gate.bias")
-    weights_, experts = dosa_moe.route(x, w("ffn.gate.weight"), bias, moe,
-                                       token_experts=token_experts)
-    stored = tuple(jnp.stack([w(f"ffn.experts.{e}.{n}.weight").T for e in range(E)])
-                   for n in ("w1", "w3", "w2"))
-    routed = dosa_moe.expert_mix(x, weights_, experts, stored, limit=moe.swiglu_limit)
-    shared = dosa_moe.swiglu(x @ w("ffn.shared_experts.w1.weight").T,
-                             x @ w("ffn.shared_experts.w3.weight").T,
-                             moe.swiglu_limit) @ w("ffn.shared_experts.w2.weight").T
-    return hyper_connections.expand(routed + shared, streams, post, comb), experts
-
-
-def _block(config, weights, streams, tokens, layer):
-    """_block_eager as one jitted program per layer (a cold compile cache compiles a few
-    programs, not every operation of the layer one by one)."""
-    key = (id(weights), layer)
-    if key not in _BLOCKS:
-        _BLOCKS[key] = jax.jit(functools.partial(_block_eager, config, weights, layer=layer))
-    return _BLOCKS[key](streams, tokens)
-
-
-_BLOCKS = {}
-
-
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_every_layer_composed_of_dosas_parts_equals_transformers(tiny, prompt):
-    """Each of the four layers (sliding, CSA, HCA, CSA; hash then learned routing), from
-    the streams entering it: the streams leaving it equal transformers' within 1e-4 of
-    their largest value, and its router chose the same experts."""
-    config, weights, reference = tiny
-    hidden, tokens = reference[f"hidden_{prompt}"], reference[f"prompt_{prompt}"]
-    for layer in range(config["num_hidden_layers"]):
-        got, experts = _block(config, weights, hidden[layer], tokens, layer)
-        want = hidden[layer + 1]
-        np.testing.assert_allclose(np.asarray(got), want, rtol=0,
-                                   atol=1e-4 * np.abs(want).max(), err_msg=f"layer {layer}")
-        np.testing.assert_array_equal(np.sort(np.asarray(experts), axis=1),
-                                      np.sort(reference[f"experts_{prompt}_{layer}"], axis=1))
-
-
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_the_whole_pass_of_dosas_parts_gives_transformers_logits(tiny, prompt):
-    """The embedding copied into every stream, the four layers, the head's collapse, the norm
-    and the output head: logits at every position within 1e-4 x max |logit| of
-    transformers', the same greedy token everywhere."""
-    config, weights, reference = tiny
-    tokens = reference[f"prompt_{prompt}"]
-    x = jnp.asarray(weights["model.embed_tokens.weight"])[jnp.asarray(tokens)]
-    streams = jnp.repeat(x[:, None, :], config["hc_mult"], axis=1)
-    np.testing.assert_array_equal(np.asarray(streams), reference[f"hidden_{prompt}"][0])
-    for layer in range(config["num_hidden_layers"]):
-        streams, _ = _block(config, weights, streams, tokens, layer)
-    w = lambda name: jnp.asarray(weights[name])  # noqa: E731
-    h = hyper_connections.head_collapse(streams, w("model.hc_head.hc_fn"),
-                                        w("model.hc_head.hc_base"), w("model.hc_head.hc_scale"),
-                                        hc_eps=config["hc_eps"], norm_eps=config["rms_norm_eps"])
-    logits = np.asarray(rms_norm(h, w("model.norm.weight"), config["rms_norm_eps"])
-                        @ w("head.weight").T)
-    want = reference[f"logits_{prompt}"]
-    np.testing.assert_allclose(logits, want, rtol=0, atol=1e-4 * np.abs(want).max())
-    np.testing.assert_array_equal(logits.argmax(-1), want.argmax(-1))
