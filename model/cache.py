@@ -247,9 +247,22 @@ def bytes_per_token(config):
 
 # ------------------------------------------------------------------ prefix copies
 
+def state_fields(config):
+    """The names of the state fields (fixed rows: DeepSeek-V4's rings) any layer holds."""
+    return sorted({name for layer in range(config.n_layers)
+                   for name in layer_fields(config, layer) if field(name).is_state})
+
+
 def take_prefix(cache, length, config):
     """The rows of the first `length` positions (static) of every field: a list over layers
-    of {field: array} (a "prefix"; jit-able with length and config static)."""
+    of {field: array} (a "prefix"; jit-able with length and config static). ValueError
+    for a cache with state fields: a ring holds the state at the cache's end, not at
+    `length` (DeepSeek-V4's prefix blocks carrying it: issue #55)."""
+    rings = state_fields(config)
+    if rings:
+        raise ValueError(f"a prefix of this cache would lose its state fields {rings} "
+                         "(DeepSeek-V4's window and compressor tails): prefix reuse for V4 "
+                         "is not built yet")
     return [{name: array[:_rows(name, length, config)] for name, array in c.fields.items()}
             for c in cache]
 
