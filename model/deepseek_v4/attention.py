@@ -28,32 +28,56 @@ def project(x, wq_a, q_norm, wq_b, wkv, kv_norm, cos, sin, *, n_heads, eps):
     return q, kv, q_residual
 
 
-def attend(q, keys, visible, sinks, own_keys=None, own_visible=None):
-    """Softmax attention with sinks: q [T, H, D], keys = values [L, D] shared by the queries,
-    visible bool[T, L], sinks [H]; own_keys [T, k, D] with own_visible bool[T, k]: each
-    query's own further keys (a CSA layer's chosen entries), in the same softmax -> [T, H, D]
-    (float32 softmax; a row with nothing visible gives 0)."""
-    D = q.shape[-1]
-    logits = jnp.einsum("thd,ld->thl", q, keys, preferred_element_type=jnp.float32) * D ** -0.5
-    parts = [jnp.where(visible[:, None, :], logits, -jnp.inf)]
-    if own_keys is not None:
-        own = jnp.einsum("thd,tkd->thk", q, own_keys,
-                         preferred_element_type=jnp.float32) * D ** -0.5
-        parts.append(jnp.where(own_visible[:, None, :], own, -jnp.inf))
-    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], (*logits.shape[:2], 1))
+def window_blocks(keys, start, window):
+    """The sliding window in query blocks: keys [window + T, D] at positions start - window ..
+    start + T - 1 -> (block keys [nb, window + B, D], visible bool[T, window + B], B) for
+    blocks of B = min(T, window) queries: block b reads positions start - window + b B .. (its
+    queries' windows), so the work is T (window + B), not T (window + T)."""
+    T = keys.shape[0] - window
+    B = min(T, window)
+    nb = -(-T // B)
+    rows = jnp.arange(nb)[:, None] * B + jnp.arange(window + B)[None, :]
+    blocked = jnp.pad(keys, ((0, nb * B - T), (0, 0)))[rows]
+    key_pos = start - window + rows  # [nb, window + B]
+    t = start + jnp.arange(T)
+    kp = key_pos[jnp.arange(T) // B]  # each query's block
+    visible = (kp <= t[:, None]) & (kp > t[:, None] - window) & (kp >= 0)
+    return blocked, visible, B
+
+
+def attend(q, sinks, window, shared=None, own=None):
+    """Softmax attention with sinks, one softmax over three kinds of keys (keys = values):
+    window: (block keys [nb, L, D], visible bool[T, L], block size B) from window_blocks;
+    shared: (keys [S, D] every query may read, visible bool[T, S]) or None (an HCA layer's
+    entries); own: (keys [T, k, D] of each query, visible bool[T, k]) or None (a CSA
+    layer's chosen entries). q [T, H, D], sinks [H] -> [T, H, D] (float32 softmax; a row
+    with nothing visible gives 0)."""
+    T, H, D = q.shape
+    scale = D ** -0.5
+    wkeys, wvisible, B = window
+    nb, L = wkeys.shape[:2]
+    blocked_q = jnp.pad(q, ((0, nb * B - T), (0, 0), (0, 0))).reshape(nb, B, H, D)
+    logits = jnp.einsum("bqhd,bld->bqhl", blocked_q, wkeys,
+                        preferred_element_type=jnp.float32).reshape(nb * B, H, L)[:T]
+    parts = [jnp.where(wvisible[:, None, :], logits * scale, -jnp.inf)]
+    for keys, visible, form in ((*(shared or (None, None)), "thd,sd->ths"),
+                                (*(own or (None, None)), "thd,tkd->thk")):
+        if keys is not None:
+            part = jnp.einsum(form, q, keys, preferred_element_type=jnp.float32) * scale
+            parts.append(jnp.where(visible[:, None, :], part, -jnp.inf))
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None], (T, H, 1))
     probs = jax.nn.softmax(jnp.concatenate([*parts, sink], axis=-1), axis=-1)
-    L = keys.shape[0]
-    out = jnp.einsum("thl,ld->thd", probs[..., :L].astype(keys.dtype), keys)
-    if own_keys is not None:
-        out = out + jnp.einsum("thk,tkd->thd", probs[..., L:-1].astype(own_keys.dtype),
-                               own_keys)
+    probs = probs.astype(wkeys.dtype)
+    pw = jnp.pad(probs[..., :L], ((0, nb * B - T), (0, 0), (0, 0))).reshape(nb, B, H, L)
+    out = jnp.einsum("bqhl,bld->bqhd", pw, wkeys).reshape(nb * B, H, D)[:T]
+    used = L
+    if shared is not None:
+        S = shared[0].shape[0]
+        out = out + jnp.einsum("ths,sd->thd", probs[..., used:used + S], shared[0])
+        used += S
+    if own is not None:
+        out = out + jnp.einsum("thk,tkd->thd", probs[..., used:-1], own[0])
     return out
-
-
-def window_visible(positions, key_positions, window):
-    """bool[T, L]: key position s is in the window of query position t: t - window < s <= t."""
-    t, s = positions[:, None], key_positions[None, :]
-    return (s <= t) & (s > t - window)
 
 
 def output(attn, cos, sin, wo_a, wo_b, *, groups):

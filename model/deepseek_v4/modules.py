@@ -163,31 +163,27 @@ class V4Attention(nnx.Module):
                                               n_heads=c.n_heads, eps=c.norm_eps)
         window = cache.fields["window"]
         keys = jnp.concatenate([_ring_read(window, start, W).astype(kv.dtype), kv])
-        key_positions = start - W + jnp.arange(W + T)
-        visible = (attention.window_visible(positions, key_positions, W)
-                   & (key_positions >= 0)[None, :])
         new = {"window": _ring_write(window, keys, start, n_valid)}
-        chosen = own_keys = own_visible = None
+        blocks = attention.window_blocks(keys, start, W)
+        chosen = shared = own = None
         if self.ratio:
             name = self.KIND
-            rope = lambda p: self.rope(p)  # noqa: E731
             entries, new[f"{name}_tail_kv"], new[f"{name}_tail_gate"] = self.compressor(
                 x, cache.fields[f"{name}_tail_kv"], cache.fields[f"{name}_tail_gate"], start,
-                n_valid, rope, c.norm_eps)
+                n_valid, self.rope, c.norm_eps)
             first_window = start // self.ratio
             stored = _write_entries(cache.fields[f"{name}_entries"], entries, first_window)
             new[f"{name}_entries"] = stored
             rows = -(-kv_len // self.ratio)
             seen = compressor.visible_entries(positions, self.ratio)  # entries whole per query
             if self.indexer is None or c.attention == "dense":
-                keys = jnp.concatenate([keys, stored[:rows].astype(kv.dtype)])
-                visible = jnp.concatenate([visible, jnp.arange(rows)[None, :] < seen[:, None]],
-                                          axis=1)
+                shared = (stored[:rows].astype(kv.dtype),
+                          jnp.arange(rows)[None, :] < seen[:, None])
             if self.indexer is not None:
                 index_entries, new["csa_index_tail_kv"], new["csa_index_tail_gate"] = \
                     self.indexer.compressor(x, cache.fields["csa_index_tail_kv"],
                                             cache.fields["csa_index_tail_gate"], start,
-                                            n_valid, rope, c.norm_eps)
+                                            n_valid, self.rope, c.norm_eps)
                 index_keys = _write_entries(cache.fields["csa_index_entries"], index_entries,
                                             first_window)
                 new["csa_index_entries"] = index_keys
@@ -195,9 +191,8 @@ class V4Attention(nnx.Module):
                     iq, iw = self.indexer.queries(q_residual, x, cos, sin)
                     chosen = csa.select_entries(iq, iw, index_keys[:rows].astype(iq.dtype),
                                                 c.top_k, start=start, ratio=self.ratio)
-                    own_keys = stored[jnp.maximum(chosen, 0)].astype(kv.dtype)
-                    own_visible = chosen >= 0
-        out = attention.attend(q, keys, visible, self.sinks[...], own_keys, own_visible)
+                    own = (stored[jnp.maximum(chosen, 0)].astype(kv.dtype), chosen >= 0)
+        out = attention.attend(q, self.sinks[...], blocks, shared, own)
         out = attention.output(out, cos, sin, w(self.wo_a), w(self.wo_b), groups=v4.o_groups)
         captured = {}
         if "indices" in capture:

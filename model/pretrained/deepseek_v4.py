@@ -13,9 +13,66 @@ from model.pretrained.mla_moe import DSAFamily, _get, yarn_config
 MLP_TYPES = {"hash_moe": "hash", "moe": "sparse", "dense": "dense", "mlp": "dense"}
 
 
+# The released config.json's per-layer compress_ratios -> transformers' layer_types.
+RATIO_LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention",
+                     128: "heavily_compressed_attention"}
+HASH_LAYERS = 3  # transformers' default num_hash_layers
+
+
+def _layer_types(g, n_layers, source):
+    """transformers' layer_types, or the released compress_ratios (0 / 4 / 128 per layer), or
+    transformers' default (2 HCA layers, then CSA and HCA in turn)."""
+    types = g("layer_types", None)
+    ratios = g("compress_ratios", None)
+    if types is None and ratios is not None:
+        unknown = sorted({r for r in ratios if r not in RATIO_LAYER_TYPES})
+        if unknown:
+            raise PretrainedFormatError(f"{source}: compress_ratios {unknown}: dosa reads "
+                                        f"{sorted(RATIO_LAYER_TYPES)} (sliding, CSA, HCA)")
+        types = [RATIO_LAYER_TYPES[r] for r in ratios]
+    if types is None:
+        types = (["heavily_compressed_attention"] * min(n_layers, 2)
+                 + ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+                    for i in range(max(n_layers - 2, 0))])
+    # The released configs list the multi-token-prediction layer too: past the model.
+    types = list(types)[:n_layers]
+    unknown = sorted({t for t in types if t not in V4_HF_LAYER_TYPES})
+    if unknown or len(types) != n_layers:
+        raise PretrainedFormatError(f"{source}: layer_types must name {n_layers} layers from "
+                                    f"{sorted(V4_HF_LAYER_TYPES)}, got {types}")
+    return types
+
+
+def _rope_tables(g, source):
+    """(main theta, compress theta, compress YarnConfig or None) from transformers' nested
+    rope_parameters {main, compress} or the released flat one (YaRN for the compress table,
+    theta compress_rope_theta; cos / sin unscaled: attention_factor 1)."""
+    rope = dict(g("rope_parameters", None) or g("rope_scaling", None) or {})
+    if isinstance(rope.get("main"), dict) and isinstance(rope.get("compress"), dict):
+        main, compress = rope["main"], rope["compress"]
+    else:
+        main = {"rope_type": "default", "rope_theta": g("rope_theta", 10000.0)}
+        compress = {**{k: v for k, v in rope.items() if k not in ("main", "compress")},
+                    "rope_theta": g("compress_rope_theta", 160000.0)}
+        if compress.get("rope_type", compress.get("type", "default")) == "yarn":
+            compress.setdefault("attention_factor", 1.0)
+    main_theta, main_yarn = yarn_config({"rope_parameters": main}, source)
+    if main_yarn is not None:
+        raise PretrainedFormatError(f"{source}: rope_parameters.main must be rope_type "
+                                    "'default' (dosa reads V4's main table unscaled)")
+    compress_theta, compress_yarn = yarn_config(
+        {"rope_parameters": compress,
+         "max_position_embeddings": g("max_position_embeddings")}, source)
+    return main_theta, compress_theta, compress_yarn, main.get("partial_rotary_factor")
+
+
 def v4_config(config, family, *, source, dtype="float32", **overrides):
-    """ModelConfig of a DeepSeek-V4 config.json: every CSA layer selecting its indexer's
-    flat top index_topk compressed entries, as the model runs."""
+    """ModelConfig of a DeepSeek-V4 config.json, in transformers' form (layer_types,
+    compress_rates, mlp_layer_types, rope_parameters {main, compress}) or the released one
+    (compress_ratios per layer, num_hash_layers, qk_rope_head_dim, a flat YaRN
+    rope_parameters, compress_rope_theta), as transformers' DeepseekV4Config folds them;
+    absent keys take its defaults. Every CSA layer selects its indexer's flat top
+    index_topk compressed entries, as the model runs."""
     g = lambda key, default=KeyError: _get(config, key, source, default)  # noqa: E731
     if g("hidden_act", "silu") != "silu":
         raise PretrainedFormatError(f"{source}: hidden_act {g('hidden_act')!r}; dosa's experts "
@@ -24,40 +81,36 @@ def v4_config(config, family, *, source, dtype="float32", **overrides):
         raise PretrainedFormatError(f"{source}: attention_bias / mlp_bias: dosa's projections "
                                     "have no bias")
     n_layers = int(g("num_hidden_layers"))
-    types = list(g("layer_types"))
-    unknown = sorted({t for t in types if t not in V4_HF_LAYER_TYPES})
-    if unknown or len(types) != n_layers:
-        raise PretrainedFormatError(f"{source}: layer_types must name {n_layers} layers from "
-                                    f"{sorted(V4_HF_LAYER_TYPES)}, got {types}")
-    rates = dict(g("compress_rates"))
-    mlp_types = list(g("mlp_layer_types"))
+    types = _layer_types(g, n_layers, source)
+    rates = dict(g("compress_rates", None) or {})
+    for key, legacy in (("compressed_sparse_attention", "compress_rate_csa"),
+                        ("heavily_compressed_attention", "compress_rate_hca")):
+        if g(legacy, None) is not None:
+            rates[key] = g(legacy)
+    mlp_types = g("mlp_layer_types", None)
+    if mlp_types is None:
+        n_hash = min(n_layers, int(g("num_hash_layers", HASH_LAYERS)))
+        mlp_types = ["hash_moe"] * n_hash + ["moe"] * (n_layers - n_hash)
+    mlp_types = list(mlp_types)[:n_layers]
     if len(mlp_types) != n_layers or any(t not in MLP_TYPES for t in mlp_types):
         raise PretrainedFormatError(f"{source}: mlp_layer_types must name {n_layers} layers "
                                     f"from {sorted(MLP_TYPES)}, got {mlp_types}")
-    rope = dict(g("rope_parameters"))
-    if set(rope) != {"main", "compress"}:
-        raise PretrainedFormatError(f"{source}: rope_parameters must hold 'main' and "
-                                    f"'compress' tables, got {sorted(rope)}")
-    main_theta, main_yarn = yarn_config({"rope_parameters": rope["main"]}, source)
-    if main_yarn is not None:
-        raise PretrainedFormatError(f"{source}: rope_parameters.main must be rope_type "
-                                    "'default' (dosa reads V4's main table unscaled)")
-    compress_theta, compress_yarn = yarn_config(
-        {"rope_parameters": rope["compress"],
-         "max_position_embeddings": g("max_position_embeddings")}, source)
-    head_dim = int(g("head_dim"))
-    rope_dim = int(g("qk_rope_head_dim", None) or
-                   round(head_dim * float(rope["main"].get("partial_rotary_factor", 1.0))))
+    main_theta, compress_theta, compress_yarn, rotary = _rope_tables(g, source)
+    head_dim = int(g("head_dim", 512))
+    # as transformers: partial_rotary_factor first, else the released qk_rope_head_dim
+    rotary = g("partial_rotary_factor", None) or rotary
+    rope_dim = (round(head_dim * float(rotary)) if rotary
+                else int(g("qk_rope_head_dim", 64)))
     try:
         v4 = DeepseekV4Config(
             layer_types=tuple(V4_HF_LAYER_TYPES[t] for t in types),
             q_lora_rank=int(g("q_lora_rank")), qk_rope_head_dim=rope_dim,
-            o_groups=int(g("o_groups")), o_lora_rank=int(g("o_lora_rank")),
-            sliding_window=int(g("sliding_window")),
+            o_groups=int(g("o_groups", 8)), o_lora_rank=int(g("o_lora_rank", 1024)),
+            sliding_window=int(g("sliding_window", 128)),
             csa_ratio=int(rates.get("compressed_sparse_attention", 4)),
             hca_ratio=int(rates.get("heavily_compressed_attention", 128)),
-            hc_mult=int(g("hc_mult")), hc_eps=float(g("hc_eps")),
-            hc_sinkhorn_iters=int(g("hc_sinkhorn_iters")),
+            hc_mult=int(g("hc_mult", 4)), hc_eps=float(g("hc_eps", 1e-6)),
+            hc_sinkhorn_iters=int(g("hc_sinkhorn_iters", 20)),
             compress_rope_theta=compress_theta, compress_yarn=compress_yarn)
         # V4 normalises the routed weights and runs one shared expert whatever
         # norm_topk_prob and n_shared_experts say (transformers 5.23 reads neither).
@@ -69,15 +122,15 @@ def v4_config(config, family, *, source, dtype="float32", **overrides):
                         norm_topk_prob=True,
                         mlp_layer_types=tuple(MLP_TYPES[t] for t in mlp_types),
                         scoring_func=g("scoring_func", "sqrtsoftplus"),
-                        swiglu_limit=g("swiglu_limit", None))
+                        swiglu_limit=g("swiglu_limit", 10.0))
         values = dict(
             vocab_size=int(g("vocab_size")), d_model=int(g("hidden_size")), n_layers=n_layers,
             n_heads=int(g("num_attention_heads")), n_kv_heads=1, head_dim=head_dim,
             d_ff=int(g("intermediate_size", None) or moe.moe_intermediate_size),
             max_seq_len=int(g("max_position_embeddings")), rope_theta=main_theta,
-            norm_eps=float(g("rms_norm_eps", 1e-6)), index_heads=int(g("index_n_heads")),
-            index_dim=int(g("index_head_dim")), index_rope_dim=rope_dim,
-            top_k=int(g("index_topk")), attention="sparse", indexer="flat",
+            norm_eps=float(g("rms_norm_eps", 1e-6)), index_heads=int(g("index_n_heads", 64)),
+            index_dim=int(g("index_head_dim", 128)), index_rope_dim=rope_dim,
+            top_k=int(g("index_topk", 512)), attention="sparse", indexer="flat",
             tie_embeddings=bool(g("tie_word_embeddings", False)), dtype=dtype,
             param_dtype=dtype, moe=moe, v4=v4)
         return ModelConfig(**{**values, **overrides})
@@ -85,9 +138,27 @@ def v4_config(config, family, *, source, dtype="float32", **overrides):
         raise PretrainedFormatError(f"{source}: {e}") from e
 
 
-def v4_tensor_map(config):
+# transformers' save_pretrained keeps these leaves' module names; the released files do not
+RELEASED_TOP_LEVEL = {"model.embed_tokens.weight": "embed.weight",
+                      "model.norm.weight": "norm.weight",
+                      "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
+                      "model.hc_head.hc_scale": "hc_head_scale"}
+
+
+def v4_tensor_map(config, names=()):
     """Tensor name in the folder -> (path of the dosa parameter, transposed?, expert index or
-    None, numpy shape in the file), as model.pretrained.mla_moe.tensor_map."""
+    None, numpy shape in the file), as model.pretrained.mla_moe.tensor_map. The names are
+    transformers' (model.layers.{i}.attn.wkv, model.embed_tokens, model.hc_head.hc_fn), or,
+    when the folder's `names` hold the released ones (embed.weight), those: no `model.`
+    prefix, embed / norm / hc_head_fn at the top."""
+    wanted = _transformers_names(config)
+    if "embed.weight" not in names:
+        return wanted
+    return {RELEASED_TOP_LEVEL.get(name, name.removeprefix("model.")): value
+            for name, value in wanted.items()}
+
+
+def _transformers_names(config):
     c, v4, moe = config, config.v4, config.moe
     D, H, hd, N = c.d_model, c.n_heads, c.head_dim, v4.hc_mult
     out = {"model.embed_tokens.weight": (("embed", "embedding"), False, None, (c.vocab_size, D)),

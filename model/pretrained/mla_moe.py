@@ -44,9 +44,12 @@ class DSAFamily:
         """The ModelConfig of a config.json of this family."""
         return (self.make_config or dsa_config)(config, self, source=source, **kwargs)
 
-    def tensors(self, config):
-        """Tensor name -> (dosa path, transposed?, expert or None, shape): what it reads."""
-        return (self.tensor_map or tensor_map)(config)
+    def tensors(self, config, names=()):
+        """Tensor name -> (dosa path, transposed?, expert or None, shape): what it reads
+        (names: the folder's tensors, for a family whose files name them two ways)."""
+        if self.tensor_map is None:
+            return tensor_map(config)
+        return self.tensor_map(config, names)
 
 
 def _get(config, key, source, default=KeyError):

@@ -246,7 +246,7 @@ def _load_dsa_family(checkpoint, path, *, dtype, indexer_dir, mesh=None, context
     model = build_dsa_transformer(config, checkpoint.read, source=path,
                                   names=checkpoint.names, mesh=mesh,
                                   read_fp8=checkpoint.read_fp8,
-                                  tensors=family.tensors(config))
+                                  tensors=family.tensors(config, checkpoint.names))
     info = dict(name=None, path=str(path), format="safetensors", family=family.model_type,
                 indexer="checkpoint", chat=family.chat)
     return Pretrained(model, checkpoint.tokenizer(), info)

@@ -230,3 +230,40 @@ def test_every_layer_of_the_model_equals_transformers(tiny, prompt):
         want = hidden[layer + 1]
         err = np.abs(got - want).max() / np.abs(want).max()
         assert err < 1e-4, f"layer {layer} ({model.config.v4.layer_types[layer]}): {err:.2e}"
+
+
+def test_the_released_config_keys_and_tensor_names_load_the_same_model(tiny, tmp_path):
+    """The fixture rewritten as the releases write it: config.json with compress_ratios per
+    layer (and the HCA rate, 16 here, as compress_rate_hca), num_hash_layers,
+    qk_rope_head_dim, a flat YaRN rope_parameters and compress_rope_theta; tensors without
+    the `model.` prefix (embed.weight, norm.weight, hc_head_fn, layers.{i}.*) plus a
+    multi-token-prediction layer past the model: the same config and bitwise the same
+    logits as the transformers-form folder."""
+    from model.pretrained.deepseek_v4 import RELEASED_TOP_LEVEL
+
+    pretrained, reference = tiny
+    config = json.loads((FIXTURE / "config.json").read_text())
+    compress = config["rope_parameters"]["compress"]
+    for key in ("layer_types", "compress_rates", "mlp_layer_types", "rope_parameters",
+                "partial_rotary_factor"):
+        config.pop(key)
+    config.update(compress_ratios=[0, 4, 128, 4, 0], compress_rate_hca=16, num_hash_layers=2,
+                  qk_rope_head_dim=8, compress_rope_theta=compress["rope_theta"],
+                  rope_parameters={k: v for k, v in compress.items()
+                                   if k not in ("rope_theta", "partial_rotary_factor",
+                                                "attention_factor")})
+    folder = tmp_path / "released"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(FIXTURE / name, folder / name)
+    weights = load_file(FIXTURE / "model.safetensors")
+    released = {RELEASED_TOP_LEVEL.get(k, k.removeprefix("model.")): v for k, v in weights.items()}
+    released["layers.4.attn.wkv.weight"] = np.full((32, 64), np.nan, np.float32)  # MTP: unread
+    save_file(released, folder / "model.safetensors")
+    loaded = load_pretrained(folder)
+    assert loaded.model.config == pretrained.model.config
+    tokens = reference["prompt_1"]
+    got = ModelRunner(loaded.model).prefill(tokens, logits_from=0)[0]
+    want = ModelRunner(pretrained.model).prefill(tokens, logits_from=0)[0]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -7,6 +7,7 @@ import functools
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -180,3 +181,41 @@ def test_csa_index_scores_and_selection_equal_transformers(tiny, prompt):
                                    atol=1e-5 * np.abs(want[finite]).max())
         got = csa.select_entries(q, head_w, keys, config["index_topk"], start=0, ratio=ratio)
         np.testing.assert_array_equal(np.asarray(got), reference[f"indices_{prompt}_{layer}"])
+
+
+@pytest.mark.parametrize("T, start", [(1, 37), (7, 5), (53, 0), (53, 19)])
+def test_the_blocked_window_equals_one_masked_softmax(T, start):
+    """attention.window_blocks + attend (the window read in query blocks, T (W + B) work)
+    against one softmax over every key with the window mask written out, with a shared and
+    a per-query part beside it: random inputs, lengths that are not multiples of W = 16,
+    keys before position 0 hidden."""
+    from model.deepseek_v4 import attention
+
+    rng = np.random.default_rng(T + start)
+    W, H, D, S, k = 16, 3, 8, 5, 4
+    q = jnp.asarray(rng.standard_normal((T, H, D)), jnp.float32)
+    keys = jnp.asarray(rng.standard_normal((W + T, D)), jnp.float32)
+    shared = jnp.asarray(rng.standard_normal((S, D)), jnp.float32)
+    shared_visible = jnp.asarray(rng.random((T, S)) < 0.6)
+    own = jnp.asarray(rng.standard_normal((T, k, D)), jnp.float32)
+    own_visible = jnp.asarray(rng.random((T, k)) < 0.6)
+    sinks = jnp.asarray(rng.standard_normal(H), jnp.float32)
+    got = jax.jit(lambda q, keys, start, *rest: attention.attend(
+        q, rest[-1], attention.window_blocks(keys, start, W), rest[0:2], rest[2:4]))(
+        q, keys, start, shared, shared_visible, own, own_visible, sinks)
+    t = start + np.arange(T)[:, None]
+    s = start - W + np.arange(W + T)[None, :]
+    window_visible = (s <= t) & (s > t - W) & (s >= 0)
+    logits = np.concatenate([np.einsum("thd,ld->thl", q, keys),
+                             np.einsum("thd,sd->ths", q, shared),
+                             np.einsum("thd,tkd->thk", q, own)], axis=-1) * D ** -0.5
+    visible = np.concatenate([window_visible, shared_visible, own_visible], axis=-1)
+    logits = np.where(visible[:, None, :], logits, -np.inf)
+    logits = np.concatenate([logits, np.broadcast_to(sinks[None, :, None], (T, H, 1))], -1)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs = (probs / probs.sum(-1, keepdims=True))[..., :-1]
+    L = W + T
+    want = (np.einsum("thl,ld->thd", probs[..., :L], keys)
+            + np.einsum("ths,sd->thd", probs[..., L:L + S], shared)
+            + np.einsum("thk,tkd->thd", probs[..., L + S:], own))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
