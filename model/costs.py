@@ -100,6 +100,12 @@ def mla_attention(config):
 ATTENTION_COSTS = {"gqa": gqa_attention, "mla": mla_attention}
 
 
+def countable(config):
+    """Whether every layer's attention kind has a cost entry (DeepSeek-V4's do not yet)."""
+    return all(attention_kind(config, layer).name in ATTENTION_COSTS
+               for layer in range(config.n_layers))
+
+
 def attention_shape(config):
     """The config's own attention, as its kind's cost entry counts it."""
     name = attention_kind(config).name

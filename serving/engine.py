@@ -96,9 +96,10 @@ class Engine:
         self.prefix_cache = prefix_cache
         if prefix_cache is not None and prefix_cache.enabled and \
                 layer_cache.state_fields(self.config):
-            raise ValueError("serving config: prefix_cache must be off for this model: its "
-                             "cache keeps state that prefix blocks do not carry yet "
-                             f"({layer_cache.state_fields(self.config)}, DeepSeek-V4)")
+            raise ValueError("serving config: cache_size must be 0 (CACHE_SIZE=0: no prefix "
+                             "cache) for this model: its cache keeps state that prefix blocks "
+                             f"do not carry yet ({layer_cache.state_fields(self.config)}, "
+                             "DeepSeek-V4)")
         self.block_size = block = self.config.hierarchical.block_size
         if prefix_cache is not None and prefix_cache.block_tokens % block:
             raise ValueError(f"serving config: cache_block_tokens ({prefix_cache.block_tokens})"

@@ -6,7 +6,7 @@ import copy
 import prometheus_client as prom
 
 from model.buckets import chunk_plan, length_bucket
-from model.costs import prefill_counts
+from model.costs import countable, prefill_counts
 
 # TTFT of a long prefill on a CPU runs to minutes: buckets from 1 ms to 320 s.
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -32,7 +32,10 @@ def indexer_prefill_share(config, start, n):
     selection kind's own work from the selection table, plus the indexer's projections,
     against attention, projections, MLP and head), over the chunks the runner prefills,
     with masked work skipped as the GPU kernels do. Sorting and top-k carry no FLOPs.
+    None when the cost model cannot count the model (model.costs.countable).
     """
+    if not countable(config):
+        return None
     chunks = chunk_plan(n, start=start, capacity=length_bucket(start + n),
                         chunk=config.prefill_chunk)
     counts = prefill_counts(config, start + n, skip=True, chunks=chunks)

@@ -234,9 +234,10 @@ class Scheduler:
         request.cache_hit_tokens = state.cache_hit_tokens
         if metrics is not None:
             metrics.observe_cache_lookup(len(request.prompt), state.cache_hit_tokens)
-            metrics.indexer_share.labels(**metrics.labels).set(
-                indexer_prefill_share(engine.config, state.position,
-                                      len(request.prompt) - state.position))
+            share = indexer_prefill_share(engine.config, state.position,
+                                          len(request.prompt) - state.position)
+            if share is not None:  # a model the cost model counts
+                metrics.indexer_share.labels(**metrics.labels).set(share)
         self.prefilling = (request, state, slot)
 
     def _prefill_chunk(self, request, state, slot):

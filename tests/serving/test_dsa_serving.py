@@ -44,3 +44,32 @@ def test_a_served_completion_equals_the_runners_greedy_tokens(family):
             assert "dosa_prefix_cache_queries_total" in metrics
     finally:
         running.stop()
+
+
+@pytest.mark.slow  # compiles a V4 model's buckets
+def test_deepseek_v4_serves_completions_without_the_prefix_cache():
+    """A DeepSeek-V4 folder is served (decode slots batched by vmap over its rings) and
+    answers what the runner generates; with a prefix cache it refuses at start-up, naming
+    cache_size (its window and compressor state do not travel with prefix blocks yet)."""
+    folder = FIXTURES.parent / "deepseek_v4" / "tiny"
+    refused = Service(test_config(model=str(folder), max_context=256, warmup_max_context=128,
+                                  cache_block_tokens=64, cache_size=16))
+    refused.start()
+    assert not refused.wait_ready(300) and "cache_size must be 0" in str(refused.error)
+    service = Service(test_config(model=str(folder), max_context=256, warmup_max_context=128,
+                                  cache_block_tokens=64, cache_size=0))
+    running = RunningServer(service)
+    service.start()
+    try:
+        assert service.wait_ready(300), service.error
+        with httpx.Client(base_url=running.url, headers=AUTH, timeout=120) as client:
+            r = client.post("/v1/completions", json=dict(prompt="The with statement",
+                                                         max_tokens=6, temperature=0,
+                                                         ignore_eos=True))
+            assert r.status_code == 200, r.text
+            pre = load_pretrained(folder)
+            ids = pre.tokenizer.encode("The with statement")
+            want = list(ModelRunner(pre.model).generate(np.asarray(ids), 6))
+            assert r.json()["choices"][0]["text"] == pre.tokenizer.decode(want)
+    finally:
+        running.stop()
