@@ -220,7 +220,7 @@ def layer_bytes_per_token(config, layer=0):
         f = field(name)
         if f.is_state:
             continue
-        row = int(np.prod(f.shape(config), dtype=np.int64)) * jnp.dtype(f.dtype(config)).itemsize
+        row = _row_bytes(f, config)
         group = "kv" if f.part == "kv" else "block_summaries" if f.positions_per_row == BLOCK \
             else "index_keys"
         out[group] += row if f.per_token else row / f.stride(config)
@@ -234,9 +234,12 @@ def layer_state_bytes(config, layer=0):
     for name in layer_fields(config, layer):
         f = field(name)
         if f.is_state:
-            total += (f.rows(0, config) * int(np.prod(f.shape(config), dtype=np.int64))
-                      * jnp.dtype(f.dtype(config)).itemsize)
+            total += f.rows(0, config) * _row_bytes(f, config)
     return total
+
+
+def _row_bytes(f, config):
+    return int(np.prod(f.shape(config), dtype=np.int64)) * jnp.dtype(f.dtype(config)).itemsize
 
 
 def bytes_per_token(config):

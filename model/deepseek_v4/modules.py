@@ -175,8 +175,8 @@ class V4Attention(nnx.Module):
             stored = _write_entries(cache.fields[f"{name}_entries"], entries, first_window)
             new[f"{name}_entries"] = stored
             rows = -(-kv_len // self.ratio)
-            seen = compressor.visible_entries(positions, self.ratio)  # entries whole per query
-            if self.indexer is None or c.attention == "dense":
+            if self.indexer is None or c.attention == "dense":  # every whole entry
+                seen = compressor.visible_entries(positions, self.ratio)
                 shared = (stored[:rows].astype(kv.dtype),
                           jnp.arange(rows)[None, :] < seen[:, None])
             if self.indexer is not None:

@@ -8,7 +8,7 @@ The released folders' own config keys and FP8 / FP4 weights are issue #55's.
 from model.architecture import V4_HF_LAYER_TYPES, DeepseekV4Config, MoEConfig
 from model.config import ModelConfig
 from model.pretrained.llama import PretrainedFormatError
-from model.pretrained.mla_moe import DSAFamily, _get, yarn_config
+from model.pretrained.mla_moe import DSAFamily, _get, check_swiglu_without_bias, yarn_config
 
 MLP_TYPES = {"hash_moe": "hash", "moe": "sparse", "dense": "dense", "mlp": "dense"}
 
@@ -74,12 +74,7 @@ def v4_config(config, family, *, source, dtype="float32", **overrides):
     absent keys take its defaults. Every CSA layer selects its indexer's flat top
     index_topk compressed entries, as the model runs."""
     g = lambda key, default=KeyError: _get(config, key, source, default)  # noqa: E731
-    if g("hidden_act", "silu") != "silu":
-        raise PretrainedFormatError(f"{source}: hidden_act {g('hidden_act')!r}; dosa's experts "
-                                    "are SwiGLU (silu)")
-    if g("attention_bias", False) or g("mlp_bias", False):
-        raise PretrainedFormatError(f"{source}: attention_bias / mlp_bias: dosa's projections "
-                                    "have no bias")
+    check_swiglu_without_bias(g, source)
     n_layers = int(g("num_hidden_layers"))
     types = _layer_types(g, n_layers, source)
     rates = dict(g("compress_rates", None) or {})

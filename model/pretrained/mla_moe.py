@@ -84,16 +84,22 @@ def yarn_config(config, source):
         truncate=bool(rope.get("truncate", True)))
 
 
-def dsa_config(config, family, *, source, dtype="float32", **overrides):
-    """ModelConfig of a DeepSeek-style config.json (family: a DSAFamily): every layer
-    sparse with its indexer's flat top index_topk, as the checkpoints run."""
-    g = lambda key, default=KeyError: _get(config, key, source, default)  # noqa: E731
+def check_swiglu_without_bias(g, source):
+    """PretrainedFormatError unless the config.json (read through g) has SwiGLU (silu)
+    feed-forwards and no projection biases, as dosa builds them."""
     if g("hidden_act", "silu") != "silu":
         raise PretrainedFormatError(f"{source}: hidden_act {g('hidden_act')!r}; dosa's MLP is "
                                     "SwiGLU (silu)")
     if g("attention_bias", False) or g("mlp_bias", False):
         raise PretrainedFormatError(f"{source}: attention_bias / mlp_bias: dosa's projections "
                                     "have no bias")
+
+
+def dsa_config(config, family, *, source, dtype="float32", **overrides):
+    """ModelConfig of a DeepSeek-style config.json (family: a DSAFamily): every layer
+    sparse with its indexer's flat top index_topk, as the checkpoints run."""
+    g = lambda key, default=KeyError: _get(config, key, source, default)  # noqa: E731
+    check_swiglu_without_bias(g, source)
     if g("scoring_func", "sigmoid") != "sigmoid":
         raise PretrainedFormatError(f"{source}: scoring_func {g('scoring_func')!r}; dosa's "
                                     "router is DeepSeek-V3's sigmoid")
