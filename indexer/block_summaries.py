@@ -130,6 +130,29 @@ def append(cache, k_new, start, *, block_size, n_valid=None, keys=None):
     return jax.lax.cond(jnp.any(completes), with_radii, lambda o: o, out)
 
 
+def refresh(cache, keys, first, n_rows, whole, *, block_size):
+    """The summaries of the blocks holding key rows first .. first + n_rows - 1 rebuilt
+    from keys [C, d_I] (the key cache, those rows already written), counting only the rows
+    below `whole`: for keys that are rewritten until final (DeepSeek-V4's compressed
+    entries: provisional until their window is whole), where `append` cannot retract.
+    first, whole: traced scalars are fine; n_rows static. O((n_rows + 2 block_size) d_I)."""
+    nb = cache.count.shape[0]
+    n_touched = (n_rows - 1) // block_size + 2
+    touched = first // block_size + jnp.arange(n_touched)
+    rows = touched[:, None] * block_size + jnp.arange(block_size)
+    kr = keys[jnp.clip(rows, 0, keys.shape[0] - 1)].astype(jnp.float32)
+    valid = ((rows < whole) & (rows < keys.shape[0]))[..., None]
+    total = jnp.sum(jnp.where(valid, kr, 0.0), axis=1)
+    count = jnp.sum(valid[..., 0], axis=1, dtype=jnp.int32)
+    rebuilt = BlockSummaryCache(
+        sum=total, count=count,
+        min=jnp.min(jnp.where(valid, kr, jnp.inf), axis=1),
+        max=jnp.max(jnp.where(valid, kr, -jnp.inf), axis=1),
+        radius=_radius(kr, total, count, block_size))
+    ids = jnp.where(touched < nb, touched, nb)  # past the cache: dropped
+    return BlockSummaryCache(*(c.at[ids].set(r, mode="drop") for c, r in zip(cache, rebuilt)))
+
+
 def truncate(cache, k, length, *, block_size):
     """Rolls the summaries back to the first `length` tokens (e.g. a cache reused from a
     shorter prefix): the partial block is rebuilt from k [C, d_I] (the key cache), later

@@ -40,7 +40,7 @@ from indexer.candidates import (
 from indexer.coarse_screen import mass_budget, screen_block_scores
 from indexer.config import HierarchicalConfig, hierarchical_plan
 from indexer.exact import block_upper_bounds, refine_exact
-from indexer.scoring import threshold_topk
+from indexer.scoring import check_key_ratio, last_visible_key, threshold_topk
 
 __all__ = ["coarse_block_scores", "fine_topk", "hierarchical_topk",
            "hierarchical_topk_with_stats", "select_candidate_blocks"]
@@ -79,7 +79,7 @@ def coarse_block_scores(q, w, summaries, *, block_size, q_offset=0, q_positions=
 
 
 def fine_topk(q, w, k, block_table, top_k, *, block_size, q_offset=0, candidates=None,
-              slots=None, fast_ranking=False, backend=None):
+              slots=None, fast_ranking=False, q_positions=None, backend=None):
     """Exact scores inside the candidate blocks, causal, then top_k.
 
     block_table i32[n_tiles, n_union]: blocks scored for each tile of T // n_tiles queries,
@@ -87,7 +87,9 @@ def fine_topk(q, w, k, block_table, top_k, *, block_size, q_offset=0, candidates
     with slots i32[T, n_cand] (candidates.table_slots): rank each query only over its own
     candidate blocks found in its tile's table; None: over every block of the table.
     fast_ranking: rank with threshold_topk (near-ties either way; not best first) instead
-    of lax.top_k (best first). Returns (values f32[T, top_k], tokens
+    of lax.top_k (best first). q_positions i32[T]: each row's last visible key, when
+    it is below q_offset + row (keys that summarise several positions: the kernel's causality
+    is then a superset, narrowed here). Returns (values f32[T, top_k], tokens
     i32[T, top_k]), -inf / -1 in the last slots where fewer than top_k candidate tokens
     are visible.
     """
@@ -102,6 +104,10 @@ def fine_topk(q, w, k, block_table, top_k, *, block_size, q_offset=0, candidates
         scores = jnp.where(jnp.repeat(slots >= 0, block_size, axis=1), own, -jnp.inf)
         block_table, query_tile = candidates, 1
     C = scores.shape[1]
+    if q_positions is not None:
+        cols = jnp.broadcast_to(jnp.arange(C)[None, :], (T, C))
+        col_keys = table_tokens(block_table, cols, block_size, query_tile)
+        scores = jnp.where(col_keys <= q_positions[:, None], scores, -jnp.inf)
     if C < top_k:
         scores = jnp.pad(scores, ((0, 0), (0, top_k - C)), constant_values=-jnp.inf)
     if not fast_ranking:
@@ -113,7 +119,7 @@ def fine_topk(q, w, k, block_table, top_k, *, block_size, q_offset=0, candidates
 
 
 def hierarchical_topk_with_stats(q, w, k, top_k, config=HierarchicalConfig(), *, q_offset=0,
-                                 summaries=None, screen=None, backend=None):
+                                 summaries=None, screen=None, backend=None, key_ratio=1):
     """`hierarchical_topk` plus statistics of the work done.
 
     Returns (indices i32[T, top_k], stats), stats a dict of scalars: scored_fraction
@@ -125,7 +131,7 @@ def hierarchical_topk_with_stats(q, w, k, top_k, config=HierarchicalConfig(), *,
     at, averaged over chunks: what the fine stage cost).
     """
     return _hierarchical(q, w, k, top_k, config, q_offset=q_offset, summaries=summaries,
-                         screen=screen, backend=backend, with_stats=True)
+                         screen=screen, backend=backend, with_stats=True, key_ratio=key_ratio)
 
 
 def _coarse(qc, wc, summaries, screen, config, *, start, pos, backend):
@@ -147,10 +153,16 @@ def _mass_temperature(config, screen):
     return jnp.exp(log_t)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "config", "backend", "with_stats"))
-def _hierarchical(q, w, k, top_k, config, *, q_offset, summaries, screen, backend, with_stats):
+@functools.partial(jax.jit, static_argnames=("top_k", "config", "backend", "with_stats",
+                                             "key_ratio"))
+def _hierarchical(q, w, k, top_k, config, *, q_offset, summaries, screen, backend, with_stats,
+                  key_ratio):
     if not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    check_key_ratio(key_ratio)
+    if key_ratio > 1 and config.exact:
+        raise ValueError("HierarchicalConfig.exact is not available over keys that summarise "
+                         f"several positions (key_ratio {key_ratio}); set exact=False")
     if not isinstance(config, HierarchicalConfig):
         raise TypeError(f"config must be a HierarchicalConfig, got {type(config).__name__}")
     if config.coarse == "learned" and screen is None:
@@ -172,6 +184,11 @@ def _hierarchical(q, w, k, top_k, config, *, q_offset, summaries, screen, backen
     bound_blocks = min(config.bound_blocks, plan.n_cand)
     need_scored = with_stats or config.exact
 
+    # In key units: a row's position is the last key it sees (its own position when each
+    # key is one token), and `start` bounds every row's from above (row 0's, plus the row),
+    # which is all the kernels' causality needs; `pos` narrows it.
+    narrow = key_ratio > 1
+
     def fine_stage(qc, wc, cands, start, pos, n_cand, n_union):
         """Fine top-k of a chunk over the first n_cand candidates of each query ->
         (values, tokens, scored bool[chunk, nb] or None: blocks scored for each query)."""
@@ -183,7 +200,8 @@ def _hierarchical(q, w, k, top_k, config, *, q_offset, summaries, screen, backen
         values, tokens = fine_topk(
             qc, wc, k, table, top_k, block_size=B, q_offset=start,
             candidates=cands if plan.own else None, slots=slots,
-            fast_ranking=config.fast_ranking and not config.exact, backend=backend)
+            fast_ranking=config.fast_ranking and not config.exact,
+            q_positions=pos if narrow else None, backend=backend)
         if not need_scored:
             return values, tokens, jnp.zeros((chunk, nb), bool)
         # Blocks scored exactly for each query: its own candidates found in the table, or
@@ -196,8 +214,8 @@ def _hierarchical(q, w, k, top_k, config, *, q_offset, summaries, screen, backen
 
     def one_chunk(args):
         qc, wc, r = args
-        pos = jnp.where(r < T, q_offset + r, -1)
-        start = q_offset + r[0]
+        pos = jnp.where(r < T, last_visible_key(q_offset + r, key_ratio), -1)
+        start = last_visible_key(q_offset + r[0], key_ratio)
         coarse = _coarse(qc, wc, summaries, screen, config, start=start, pos=pos,
                          backend=backend)
         bounds = (block_upper_bounds(qc, wc, summaries, block_size=B, q_positions=pos,
@@ -257,7 +275,7 @@ def _hierarchical(q, w, k, top_k, config, *, q_offset, summaries, screen, backen
 
 
 def hierarchical_topk(q, w, k, top_k, config=HierarchicalConfig(), *, q_offset=0,
-                      summaries=None, screen=None, backend=None):
+                      summaries=None, screen=None, backend=None, key_ratio=1):
     """Top_k keys per query by coarse-to-fine block selection -> i32[T, top_k].
 
     Same contract as `flat_topk` (-1 in the last slots where fewer than top_k tokens are
@@ -270,13 +288,17 @@ def hierarchical_topk(q, w, k, top_k, config=HierarchicalConfig(), *, q_offset=0
     config.candidate_tokens < top_k, config.coarse_heads > H_I or summaries hold fewer
     blocks than the keys need, or config.coarse is "learned" without `screen` (the layer's
     indexer.coarse_screen.ScreenParams); TypeError when config is not a HierarchicalConfig.
+    key_ratio r: key s summarises positions [s r, (s + 1) r) and is visible once they all
+    are (indexer.scoring.flat_topk); block_size, candidate_tokens and the summaries then
+    count keys, not positions (DeepSeek-V4's CSA entries; exact mode is refused).
     """
     return _hierarchical(q, w, k, top_k, config, q_offset=q_offset, summaries=summaries,
-                         screen=screen, backend=backend, with_stats=False)
+                         screen=screen, backend=backend, with_stats=False, key_ratio=key_ratio)
 
 
-def hierarchical_select(q, w, k, top_k, *, q_offset, config, summaries=None, screen=None):
+def hierarchical_select(q, w, k, top_k, *, q_offset, config, summaries=None, screen=None,
+                        key_ratio=1):
     """The "hierarchical" selection kind (indexer.selection): hierarchical_topk with the
     layer's HierarchicalConfig."""
     return hierarchical_topk(q, w, k, top_k, config, q_offset=q_offset, summaries=summaries,
-                             screen=screen)
+                             screen=screen, key_ratio=key_ratio)

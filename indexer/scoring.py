@@ -119,24 +119,42 @@ def _check_query_chunk(query_chunk):
         raise ValueError(f"query_chunk must be None or a positive int, got {query_chunk!r}")
 
 
+def check_key_ratio(key_ratio):
+    if not isinstance(key_ratio, int) or key_ratio < 1:
+        raise ValueError(f"key_ratio must be a positive int, got {key_ratio!r}")
+
+
+def last_visible_key(positions, key_ratio):
+    """The last key a query at each position sees when key s summarises positions
+    [s key_ratio, (s + 1) key_ratio) and becomes visible once all of them are:
+    (p + 1) // key_ratio - 1 (-1: none yet). key_ratio 1: the position itself."""
+    return (positions + 1) // key_ratio - 1
+
+
 @functools.partial(jax.jit, static_argnames=("top_k", "query_chunk", "backend",
-                                             "fast_ranking"))
+                                             "fast_ranking", "key_ratio"))
 def flat_topk(q, w, k, top_k, *, q_offset=0, query_chunk=None, backend=None,
-              fast_ranking=False):
+              fast_ranking=False, key_ratio=1):
     """Exact top_k keys per query by flat index scores -> i32[T, top_k], best first
     (fast_ranking: by threshold_topk, near-ties either way, not best first).
 
     Scores query chunks of `query_chunk` rows at a time (None: default_query_chunk), so
     memory is O(query_chunk * L), never [T, L]. -1 where fewer than top_k keys are visible
-    (s <= q_offset + t).
+    (s <= q_offset + t; with key_ratio r, key s summarises positions [s r, (s + 1) r) and
+    is visible once they all are: (s + 1) r - 1 <= q_offset + t, DeepSeek-V4's CSA
+    entries).
     """
     _check_topk(top_k)
+    check_key_ratio(key_ratio)
     _check_query_chunk(query_chunk)
     if query_chunk is None:
         query_chunk = default_query_chunk(k.shape[0], q.shape[1], backend)
 
     def one_chunk(first_row, qc, wc):
-        scores = index_scores(qc, wc, k, q_offset=q_offset + first_row, backend=backend)
+        # The kernel's block causality (key s at position s r) for queries placed r - 1
+        # positions earlier is the whole-window rule.
+        scores = index_scores(qc, wc, k, q_offset=q_offset + first_row - (key_ratio - 1),
+                              key_block_size=key_ratio, backend=backend)
         if not fast_ranking:
             return topk_indices(scores, top_k)
         if top_k > scores.shape[1]:
@@ -148,18 +166,22 @@ def flat_topk(q, w, k, top_k, *, q_offset=0, query_chunk=None, backend=None,
     return pallas_kernels.map_query_rows(one_chunk, query_chunk, (q, w))
 
 
-def flat_select(q, w, k, top_k, *, q_offset, config=None, summaries=None, screen=None):
+def flat_select(q, w, k, top_k, *, q_offset, config=None, summaries=None, screen=None,
+                key_ratio=1):
     """The "flat" selection kind (indexer.selection): flat_topk, ranked as `config` (a
     FlatConfig; None: lax.top_k) says."""
     return flat_topk(q, w, k, top_k, q_offset=q_offset,
-                     fast_ranking=config is not None and config.fast_ranking)
+                     fast_ranking=config is not None and config.fast_ranking,
+                     key_ratio=key_ratio)
 
 
-def window_select(q, w, k, top_k, *, q_offset, config=None, summaries=None, screen=None):
-    """The "window" selection kind: the query and the top_k - 1 tokens before it, most
-    recent first (sliding-window attention with no scoring)."""
-    positions = q_offset + jnp.arange(q.shape[0])
-    window = positions[:, None] - jnp.arange(top_k)[None, :]
+def window_select(q, w, k, top_k, *, q_offset, config=None, summaries=None, screen=None,
+                  key_ratio=1):
+    """The "window" selection kind: the query's last visible key and the top_k - 1 keys
+    before it, most recent first (sliding-window attention with no scoring)."""
+    check_key_ratio(key_ratio)
+    last = last_visible_key(q_offset + jnp.arange(q.shape[0]), key_ratio)
+    window = last[:, None] - jnp.arange(top_k)[None, :]
     return jnp.where(window >= 0, window, -1).astype(jnp.int32)
 
 

@@ -13,13 +13,16 @@ given as "module:name" is imported on first use.
 
 Every select function has one signature:
 
-    select(q, w, k, top_k, *, q_offset, config, summaries, screen) -> i32[T, top_k]
+    select(q, w, k, top_k, *, q_offset, config, summaries, screen[, key_ratio]) -> i32[T, top_k]
 
 q [T, H_I, d_I], w [T, H_I], k [L, d_I] (the indexer-key cache up to a length bucket; keys
 past the queries are masked by causality); query i sits at position q_offset + i. config:
 the layer's HierarchicalConfig (kinds that have no knobs ignore it); summaries: the cache's
 BlockSummaryCache of k (at least ceil(L / block_size) blocks); screen: the layer's trained
-coarse screen (indexer.ScreenParams) or None. Output: the chosen tokens, -1 in the last
+coarse screen (indexer.ScreenParams) or None. key_ratio (given only when > 1): each key
+summarises key_ratio positions, [s key_ratio, (s + 1) key_ratio), and a query sees it once
+all of them are at or before its position (DeepSeek-V4's CSA entries; block summaries and
+a kind's settings then count keys, not positions). Output: the chosen tokens, -1 in the last
 slots where fewer than top_k are chosen; best first, except the hierarchical kind's fast
 ranking (unordered): consumers read them as a set.
 

@@ -26,8 +26,10 @@ from indexer.config import STREAMING_KEY_TILE
 from indexer.scoring import (
     _check_query_chunk,
     _check_topk,
+    check_key_ratio,
     default_query_chunk,
     index_scores,
+    last_visible_key,
     signless_zeros,
 )
 
@@ -67,18 +69,21 @@ def _tile_merge(values, tokens, scores, first_token):
     return jax.lax.switch(branch, [lambda: (values, tokens)] + merges)
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "key_tile", "query_chunk", "backend"))
+@functools.partial(jax.jit, static_argnames=("top_k", "key_tile", "query_chunk", "backend",
+                                             "key_ratio"))
 def streaming_topk(q, w, k, top_k, *, q_offset=0, key_tile=STREAMING_KEY_TILE,
-                   query_chunk=None, backend=None):
+                   query_chunk=None, backend=None, key_ratio=1):
     """flat_topk's result (i32[T, top_k], best first, -1 where fewer than top_k keys are
     visible) without a [T, L] score matrix: see the module docstring.
 
     q [T, H_I, d_I], w [T, H_I], k [L, d_I]; query i sits at position q_offset + i (a
     traced int32 scalar is fine). key_tile: keys scored per step (the last tile is
     padded; padded keys are never visible). query_chunk: queries per step (None:
-    indexer.scoring.default_query_chunk for one key tile).
+    indexer.scoring.default_query_chunk for one key tile). key_ratio: positions each key
+    summarises (indexer.scoring.flat_topk).
     """
     _check_topk(top_k)
+    check_key_ratio(key_ratio)
     _check_query_chunk(query_chunk)
     if not isinstance(key_tile, int) or key_tile < 1:
         raise ValueError(f"key_tile must be a positive int, got {key_tile!r}")
@@ -96,13 +101,15 @@ def streaming_topk(q, w, k, top_k, *, q_offset=0, key_tile=STREAMING_KEY_TILE,
         def body(j, best):
             first = j * tile
             kt = jax.lax.dynamic_slice_in_dim(kp, first, tile, axis=0)
-            scores = index_scores(qc, wc, kt, q_offset=start - first, backend=backend)
+            shift = start - (key_ratio - 1) - first * key_ratio
+            scores = index_scores(qc, wc, kt, q_offset=shift, key_block_size=key_ratio,
+                                  backend=backend)
             scores = jnp.where(first + jnp.arange(tile)[None, :] < L,
                                signless_zeros(scores), -jnp.inf)
             return _tile_merge(*best, scores, first)
 
         # Tiles past the chunk's last query are invisible to all of its rows.
-        last_position = jnp.minimum(start + chunk - 1, L - 1)
+        last_position = jnp.minimum(last_visible_key(start + chunk - 1, key_ratio), L - 1)
         seen = jnp.clip(last_position // tile + 1, 0, n_tiles)
         init = (jnp.full((chunk, top_k), -jnp.inf, jnp.float32),
                 jnp.full((chunk, top_k), -1, jnp.int32))
@@ -112,6 +119,7 @@ def streaming_topk(q, w, k, top_k, *, q_offset=0, key_tile=STREAMING_KEY_TILE,
     return pallas_kernels.map_query_rows(one_chunk, chunk, (q, w))
 
 
-def streaming_select(q, w, k, top_k, *, q_offset, config=None, summaries=None, screen=None):
+def streaming_select(q, w, k, top_k, *, q_offset, config=None, summaries=None, screen=None,
+                     key_ratio=1):
     """The "streaming" selection kind (indexer.selection): streaming_topk."""
-    return streaming_topk(q, w, k, top_k, q_offset=q_offset)
+    return streaming_topk(q, w, k, top_k, q_offset=q_offset, key_ratio=key_ratio)

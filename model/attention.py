@@ -61,17 +61,19 @@ def _attend_rows(q, k, v, q_offset, scale, head_sum):
 
 
 def select_tokens(config, layer, q_index, w_index, k_index, *, q_offset, summaries=None,
-                  screen=None):
+                  screen=None, key_ratio=1):
     """Layer `layer`'s top_k selection for queries at q_offset.. -> i32[T, top_k] (-1 padded):
     the selection kind config.layer_indexer(layer) names (indexer.selection), with the
     layer's settings (config.layer_settings). k_index: [L, d_I], the
     indexer-key cache up to a length bucket (positions past the queries are masked by
     causality); summaries: the cache's BlockSummaryCache of k_index; screen: the layer's
-    trained coarse screen (indexer.ScreenParams) or None."""
+    trained coarse screen (indexer.ScreenParams) or None. key_ratio: positions each key
+    summarises (DeepSeek-V4's CSA entries; indexer.selection), passed only when > 1."""
     kind = selection_kind(config.layer_indexer(layer), what="ModelConfig.indexer")
+    ratio = {} if key_ratio == 1 else {"key_ratio": key_ratio}
     return kind.function(q_index, w_index, k_index, config.top_k, q_offset=q_offset,
                          config=config.layer_settings(layer),
-                         summaries=summaries, screen=screen)
+                         summaries=summaries, screen=screen, **ratio)
 
 
 class Attention(nnx.Module):

@@ -11,9 +11,16 @@ cost entry.
 import dataclasses
 from collections.abc import Callable
 
+from indexer.block_summaries import SUMMARY_LAYOUT
 from model.attention import Attention
 from model.cache_field import CacheField, model_dtype
-from model.deepseek_v4.modules import Compressor, CSAttention, HCAttention, SlidingAttention
+from model.deepseek_v4.modules import (
+    CSA_SUMMARY_PREFIX,
+    Compressor,
+    CSAttention,
+    HCAttention,
+    SlidingAttention,
+)
 from model.mla import MLAttention
 
 
@@ -69,6 +76,15 @@ def _v4_compressed_fields(kind):
     fields = group(kind, "kv", lambda c: c.head_dim)
     if overlap:
         fields.update(group("csa_index", "index", lambda c: c.index_dim))
+        # The hierarchical selection's summaries of the indexer's entries, a row per
+        # block of hierarchical.block_size entries (indexer.block_summaries' layout).
+        fields.update({
+            f"{CSA_SUMMARY_PREFIX}{name}": CacheField(
+                "index", (lambda c: (c.index_dim,)) if per_dim else (lambda c: ()),
+                lambda c, dtype=dtype: dtype,
+                ("blocks", "index_dim") if per_dim else ("blocks",), fill,
+                (ratio, "hierarchical.block_size"))
+            for name, (dtype, per_dim, fill) in SUMMARY_LAYOUT.items()})
     return fields
 
 

@@ -221,7 +221,7 @@ def layer_bytes_per_token(config, layer=0):
         if f.is_state:
             continue
         row = _row_bytes(f, config)
-        group = "kv" if f.part == "kv" else "block_summaries" if f.positions_per_row == BLOCK \
+        group = "kv" if f.part == "kv" else "block_summaries" if f.axes[0] == "blocks" \
             else "index_keys"
         out[group] += row if f.per_token else row / f.stride(config)
     return out

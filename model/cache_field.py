@@ -3,6 +3,7 @@ the attention kinds' own entries (model.attention_kinds), kept apart from both s
 each can name fields without importing the other."""
 
 import dataclasses
+import math
 import operator
 from collections.abc import Callable
 
@@ -15,7 +16,8 @@ class CacheField:
     axes: logical axes of every dim, rows first (model.sharding); fill: an empty row's
     value. positions_per_row: the unit, as positions one row holds: 1 (a row per token), or
     the dotted name of the ModelConfig field that says (e.g. "hierarchical.block_size": a
-    row per key block; a compressed cache names its compression ratio). fixed_rows: None, or
+    row per key block; a compressed cache names its compression ratio), or a tuple of such
+    names whose product it is (a block of compressed entries). fixed_rows: None, or
     config -> a row count that does not grow with the positions cached (a ring of the last
     tokens, a layer's state: DeepSeek-V4's window and compressor tails); such a field is
     part of a request's state, not of its prefix."""
@@ -25,7 +27,7 @@ class CacheField:
     dtype: Callable
     axes: tuple
     fill: float = 0.0
-    positions_per_row: int | str = 1
+    positions_per_row: int | str | tuple = 1
     fixed_rows: Callable | None = None
 
     @property
@@ -40,7 +42,9 @@ class CacheField:
         """Positions one row holds, under `config`."""
         if isinstance(self.positions_per_row, int):
             return self.positions_per_row
-        return int(operator.attrgetter(self.positions_per_row)(config))
+        names = self.positions_per_row
+        names = (names,) if isinstance(names, str) else names
+        return math.prod(int(operator.attrgetter(n)(config)) for n in names)
 
     def rows(self, length, config):
         """Rows that hold the first `length` positions (a state field: its fixed rows)."""

@@ -247,9 +247,16 @@ class ModelConfig(FrozenConfig):
                              f"({self.n_layers}), got {len(v4.layer_types)}")
         if self.mla is not None:
             raise ValueError("ModelConfig: v4 and mla are two attention kinds; set one")
-        if self.indexer != "flat":
-            raise ValueError(f"ModelConfig.indexer must be 'flat' with v4 (DeepSeek-V4's CSA "
-                             f"indexer selects compressed entries flat), got {self.indexer!r}")
+        if selection_kind(self.indexer).scores != "indexer":
+            raise ValueError(f"ModelConfig.indexer {self.indexer!r} ranks dense attention over "
+                             "tokens; DeepSeek-V4's CSA layers select compressed entries by "
+                             "their indexer: use flat, streaming or hierarchical")
+        if self.indexer == "hierarchical" and self.hierarchical.exact:
+            raise ValueError("ModelConfig.hierarchical.exact must be False with v4 (exact mode "
+                             "is not available over compressed entries)")
+        if self.indexer == "hierarchical" and self.hierarchical.coarse == "learned":
+            raise ValueError("ModelConfig.hierarchical.coarse must be 'mean' with v4 (no "
+                             "coarse screen is trained over compressed entries)")
         if self.indexer_types:
             raise ValueError("ModelConfig.indexer_types must be empty with v4: every CSA "
                              "layer runs its own indexer")

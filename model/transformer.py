@@ -142,7 +142,8 @@ class DecoderBlock(nnx.Module):
             if parallel is not None:
                 raise ValueError("a sequence-sharded cache (mesh sequence axis > 1) does not "
                                  "run DeepSeek-V4's attention yet")
-            out, cache, captured = self.attn(h, cache, start, kv_len, n_valid, capture)
+            out, cache, captured = self.attn(h, cache, start, kv_len, n_valid, capture,
+                                             layer=self.layer)
         else:
             out, cache, captured, handoff = self._dsa_attention(
                 h, cache, start, kv_len, n_valid, capture, parallel, handoff, capture_rows)

@@ -8,11 +8,13 @@ Entry s summarises positions [s ratio, (s + 1) ratio): a query at position t see
 the window is whole, s ratio + ratio - 1 <= t. That is the lightning indexer's causality
 over key blocks (pallas_kernels.index_scores with key_block_size = ratio: key s visible iff
 s ratio <= position) for queries placed ratio - 1 positions earlier, so the scores come from
-the indexer's own op, whichever backend runs it."""
+the indexer's own op, whichever backend runs it. The selection over them is any selection
+kind's (indexer.selection) with key_ratio = ratio: flat, streaming or hierarchical, whose
+blocks are then blocks of entries."""
 
 import jax.numpy as jnp
 
-from indexer.scoring import index_scores, topk_indices
+from indexer.scoring import index_scores
 from model.deepseek_v4.compressor import interleaved_rope
 
 
@@ -35,7 +37,3 @@ def entry_scores(q, w, keys, *, start, ratio, backend=None):
                         backend=backend)
 
 
-def select_entries(q, w, keys, top_k, *, start, ratio, backend=None):
-    """The top_k entries per query, best first, -1 where fewer are visible: i32[T, top_k]."""
-    return topk_indices(entry_scores(q, w, keys, start=start, ratio=ratio, backend=backend),
-                        top_k)

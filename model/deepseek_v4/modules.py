@@ -7,7 +7,8 @@ below owns the fields it writes, as `FIELDS`):
 - "window": the last sliding_window tokens' K = V as a ring (position p at row p % W), a
   constant per layer;
 - "<kind>_entries": one row per `ratio` positions (model.cache_field.positions_per_row),
-  and on CSA layers "csa_index_entries", the indexer's keys;
+  and on CSA layers "csa_index_entries", the indexer's keys, with their block summaries
+  ("csa_index_summary_*", a row per hierarchical.block_size entries);
 - "<kind>_tail_kv" / "_tail_gate": a compressor's projections of the last `ratio` tokens
   (CSA: 2 x ratio, its overlap reads the window before) as a ring, so that a chunk or a
   decode step completes the window a previous call left open. An entry is written as soon
@@ -20,8 +21,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from indexer.block_summaries import SUMMARY_LAYOUT, BlockSummaryCache, refresh
 from indexer.rope import rope_angles
+from model.attention import select_tokens
 from model.deepseek_v4 import attention, compressor, csa, hyper_connections
+
+# The CSA indexer's entry summaries, cache fields named this + indexer.block_summaries'
+# fields: a row per block of hierarchical.block_size entries (the hierarchical selection's
+# coarse stage reads them, as it reads a token cache's block summaries).
+CSA_SUMMARY_PREFIX = "csa_index_summary_"
 
 
 def _weight(rngs, shape, dtype):
@@ -147,11 +155,12 @@ class V4Attention(nnx.Module):
         return rope_angles(positions, v4.qk_rope_head_dim, theta=v4.compress_rope_theta,
                            yarn=v4.compress_yarn)
 
-    def __call__(self, x, cache, start, kv_len, n_valid=None, capture=()):
+    def __call__(self, x, cache, start, kv_len, n_valid=None, capture=(), *, layer):
         """x [T, d_model] (the normed layer input) at positions start.. -> (out [T, d_model],
         the layer's new cache, {"indices": the CSA entries each query attended (-1: none;
         all -1 on other kinds)} when captured). kv_len: positions the cache holds up to
-        (static); n_valid: real tokens among the T (default T)."""
+        (static); n_valid: real tokens among the T (default T); layer: the layer's index
+        (its selection kind and settings: ModelConfig.layer_indexer / layer_settings)."""
         c, v4 = self.config, self.config.v4
         T, W = x.shape[0], v4.sliding_window
         n_valid = T if n_valid is None else n_valid
@@ -187,10 +196,17 @@ class V4Attention(nnx.Module):
                 index_keys = _write_entries(cache.fields["csa_index_entries"], index_entries,
                                             first_window)
                 new["csa_index_entries"] = index_keys
+                # Summaries count whole entries only: a provisional one is rewritten later.
+                summaries = refresh(_summaries(cache), index_keys, first_window,
+                                    index_entries.shape[0], (start + n_valid) // self.ratio,
+                                    block_size=c.hierarchical.block_size)
+                new.update({CSA_SUMMARY_PREFIX + n: v
+                            for n, v in summaries._asdict().items()})
                 if c.attention == "sparse":
                     iq, iw = self.indexer.queries(q_residual, x, cos, sin)
-                    chosen = csa.select_entries(iq, iw, index_keys[:rows].astype(iq.dtype),
-                                                c.top_k, start=start, ratio=self.ratio)
+                    chosen = select_tokens(c, layer, iq, iw, index_keys[:rows].astype(iq.dtype),
+                                           q_offset=start, summaries=summaries,
+                                           key_ratio=self.ratio)
                     own = (stored[jnp.maximum(chosen, 0)].astype(kv.dtype), chosen >= 0)
         out = attention.attend(q, self.sinks[...], blocks, shared, own)
         out = attention.output(out, cos, sin, w(self.wo_a), w(self.wo_b), groups=v4.o_groups)
@@ -199,6 +215,11 @@ class V4Attention(nnx.Module):
             captured["indices"] = (chosen if chosen is not None
                                    else jnp.full((T, c.top_k), -1, jnp.int32))
         return out, cache.replace(**new), captured
+
+
+def _summaries(cache):
+    return BlockSummaryCache(**{n: cache.fields[CSA_SUMMARY_PREFIX + n]
+                                for n in SUMMARY_LAYOUT})
 
 
 def _write_entries(stored, entries, first_window):

@@ -67,6 +67,53 @@ def test_logits_and_every_csa_selection_equal_transformers(tiny):
     assert (captured["indices"][0] == -1).all()  # the sliding layer selects nothing
 
 
+def test_hierarchical_selection_over_entries_runs_in_the_model(tiny):
+    """The CSA layers' selection through the hierarchical kind over compressed entries, in
+    chunks of 30 (not a multiple of the ratio: entries are rewritten across chunks), with
+    blocks of 2 entries and a budget of every block: transformers' selected sets on every
+    row, so its logits; the entry summaries kept in the cache are those of the whole
+    entries, built from scratch. (Streaming over entries: tests/indexer.)"""
+    from indexer.block_summaries import block_summaries
+    from model import with_config
+    from model.deepseek_v4.modules import CSA_SUMMARY_PREFIX
+
+    pretrained, reference = tiny
+    model = pretrained.model
+    tokens = reference["prompt_0"]
+    settings = model.config.hierarchical.replace(block_size=2, candidate_tokens=32,
+                                                 query_tile=4, fine_batch_size=32)
+    net = with_config(model, model.config.replace(indexer="hierarchical", hierarchical=settings))
+    runner = ModelRunner(net)
+    logits, cache, captured = runner.prefill(tokens, logits_from=0, chunk=30,
+                                             capture=("indices",))
+    _close(logits, reference["logits_0"], "hierarchical, every block")
+    whole = len(tokens) // 4
+    for layer in CSA_LAYERS:
+        got = np.asarray(captured["indices"][layer])
+        want = reference[f"indices_0_{layer}"]
+        assert [set(r) for r in got] == [set(r) for r in want], f"layer {layer}"
+        entries = np.asarray(cache[layer].fields["csa_index_entries"][:whole], np.float32)
+        summary = block_summaries(entries, 2)
+        for name in ("sum", "count", "min", "max"):
+            kept = cache[layer].fields[CSA_SUMMARY_PREFIX + name][:len(summary.count)]
+            np.testing.assert_allclose(np.asarray(kept), np.asarray(getattr(summary, name)),
+                                       rtol=1e-5, atol=1e-5, err_msg=f"layer {layer} {name}")
+
+
+@pytest.mark.slow  # default-tier budget: the prefill test above covers the summaries
+def test_hierarchical_decoding_over_entries_equals_transformers_generate(tiny):
+    """Decode steps refresh the entry summaries one entry at a time (windows close at 91
+    and 95 on prompt 0): with every block in the budget, transformers' 8 greedy tokens."""
+    from model import with_config
+
+    pretrained, reference = tiny
+    model = pretrained.model
+    settings = model.config.hierarchical.replace(block_size=2, candidate_tokens=32)
+    net = with_config(model, model.config.replace(indexer="hierarchical", hierarchical=settings))
+    tokens = reference["prompt_0"]
+    assert list(ModelRunner(net).generate(tokens, 8)) == reference["generate_0"].tolist()
+
+
 @pytest.mark.parametrize("chunk", [7, pytest.param(20, marks=pytest.mark.slow)])
 def test_chunked_prefill_equals_transformers_across_windows(tiny, chunk):
     """Chunks of 7 (neither a multiple of the CSA ratio 4 nor of the HCA ratio 16: windows
@@ -122,23 +169,28 @@ def _allocated_bytes(config, capacity):
 
 def test_cache_bytes_per_token_are_the_compressed_entries():
     """Measured from allocated caches (the difference between 2048 and 4096 positions): a CSA
-    layer holds (head_dim + index_head_dim) / 4 x 2 B = 320 B per token in bf16, an HCA layer
-    head_dim / 128 x 2 B = 8 B, a sliding layer nothing that grows; the window and the
-    compressors' tails are the same bytes at both lengths. model.cache's count agrees."""
+    layer holds (head_dim + index_head_dim) / 4 x 2 B = 320 B per token in bf16, plus the
+    summaries of its indexer's entries (sum, min, max f32[128], count, radius per block of
+    64 entries = 256 positions: 6.03 B), an HCA layer head_dim / 128 x 2 B = 8 B, a sliding
+    layer nothing that grows; the window and the compressors' tails are the same bytes at
+    both lengths. model.cache's count agrees."""
     config = _flash_like()
     short, long = _allocated_bytes(config, 2048), _allocated_bytes(config, 4096)
     per_token = [(b - a) / 2048 for a, b in zip(short, long)]
-    assert per_token == [0.0, (512 + 128) / 4 * 2, 512 / 128 * 2] == [0.0, 320.0, 8.0]
+    summaries = (3 * 128 * 4 + 4 + 4) / (4 * 64)
+    assert per_token == [0.0, (512 + 128) / 4 * 2 + summaries, 512 / 128 * 2] == \
+        [0.0, 326.03125, 8.0]
     for layer in range(3):
         counted = layer_bytes_per_token(config, layer)
         assert counted["kv"] + counted["index_keys"] + counted["block_summaries"] == \
             per_token[layer]
+    assert layer_bytes_per_token(config, 1)["block_summaries"] == summaries
     window = 128 * 512 * 2
     assert short[0] == window  # the sliding layer: its window ring only
     # kv and gate rings: CSA's last 2 x 4 tokens at twice the width (its overlap), for the
     # entries and the indexer's keys; HCA's last 128 tokens
     tails = (2 * 8 * 2 * (512 + 128) * 2, 2 * 128 * 512 * 2)
-    assert short[1] == window + 2048 // 4 * (512 + 128) * 2 + tails[0]
+    assert short[1] == window + 2048 // 4 * (512 + 128) * 2 + tails[0] + 2048 // 256 * 1544
     assert short[2] == window + 2048 // 128 * 512 * 2 + tails[1]
     assert [layer_state_bytes(config, i) for i in range(3)] == [window, window + tails[0],
                                                                   window + tails[1]]
@@ -167,8 +219,11 @@ def test_a_bad_v4_config_names_the_key(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(PretrainedFormatError, match="layer_types"):
         load_pretrained(folder)
-    with pytest.raises(ValueError, match="indexer must be 'flat'"):
-        _flash_like().replace(indexer="hierarchical")
+    with pytest.raises(ValueError, match="indexer 'oracle' ranks dense attention"):
+        _flash_like().replace(indexer="oracle")
+    exact = _flash_like().hierarchical.replace(exact=True)
+    with pytest.raises(ValueError, match="hierarchical.exact must be False with v4"):
+        _flash_like().replace(indexer="hierarchical", hierarchical=exact)
 
 
 @pytest.mark.slow  # default-tier budget (11-12 s each): the fixture tests cover chunking

@@ -153,6 +153,7 @@ def test_csa_index_scores_and_selection_equal_transformers(tiny, prompt):
     """The CSA indexer of every CSA layer, from the layer's input: its scores over the
     compressed entries (-inf on the same entries) and its top index_topk entries, in
     transformers' order, -1 on the same slots."""
+    from indexer.scoring import flat_topk
     from model.deepseek_v4 import csa
 
     config, weights, reference = tiny
@@ -179,7 +180,7 @@ def test_csa_index_scores_and_selection_equal_transformers(tiny, prompt):
         finite = np.isfinite(want)
         np.testing.assert_allclose(scores[finite], want[finite], rtol=1e-5,
                                    atol=1e-5 * np.abs(want[finite]).max())
-        got = csa.select_entries(q, head_w, keys, config["index_topk"], start=0, ratio=ratio)
+        got = flat_topk(q, head_w, keys, config["index_topk"], q_offset=0, key_ratio=ratio)
         np.testing.assert_array_equal(np.asarray(got), reference[f"indices_{prompt}_{layer}"])
 
 
