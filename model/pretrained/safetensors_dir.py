@@ -111,11 +111,19 @@ class SafetensorsCheckpoint:
             tie_embeddings=bool(get("tie_word_embeddings", False)))
 
     def read(self, name):
-        """Tensor `name` as float32 (FP8 e4m3 weights dequantized with their block scales,
-        model.pretrained.fp8)."""
+        """Tensor `name` as float32: FP8 e4m3 weights dequantized with their block scales,
+        FP4 ones (int8, two e2m1 values per byte) with theirs (model.pretrained.fp8)."""
+        stored = self._stored_dtype(name)
+        if stored in fp8.PACKED_FP4 and self._scale_name(name) is not None:
+            packed = self._read_stored(name)
+            scale = self._read_scale(name)
+            try:
+                return fp8.dequantize_fp4(packed, scale)
+            except ValueError as e:
+                raise PretrainedFormatError(f"{self.index[name]}: tensor {name}: {e}") from e
         q = self._read_stored(name)
         if q.dtype not in fp8.RAW_DTYPES.values():
-            return q
+            return np.asarray(q, np.float32)
         _, scale, block = self._scales(name, q)
         try:
             return fp8.dequantize(q, scale, block)
@@ -132,31 +140,51 @@ class SafetensorsCheckpoint:
                                         "FP8: only an FP8 checkpoint's experts stay in FP8")
         return self._scales(name, q)
 
+    def _stored_dtype(self, name):
+        file = self.index.get(name)
+        if file is None:
+            return None
+        try:
+            return self._header(file)[0][name][0]
+        except Exception:
+            return None  # unreadable: _read_stored names the file
+
     def _read_stored(self, name):
+        """Tensor `name` as stored: float32 for numpy-readable dtypes (ints kept for a packed
+        FP4 weight), the raw float8 type for FP8 values and ue8m0 scales."""
         file = self.index.get(name)
         if file is None:
             raise PretrainedFormatError(f"{self.path}: tensor {name} is missing: it is in none "
                                         f"of {[f.name for f in self.files]}")
         try:
             header, data_start = self._header(file)
-            if header[name][0] not in fp8.RAW_DTYPES:
-                from safetensors import safe_open
+            dtype = header[name][0]
+            if dtype in fp8.RAW_DTYPES or dtype in fp8.SCALE_DTYPES:
+                return fp8.read_raw(file, header[name], data_start)
+            from safetensors import safe_open
 
-                with safe_open(str(file), framework="numpy") as handle:
-                    return np.asarray(handle.get_tensor(name), np.float32)
-            return fp8.read_raw(file, header[name], data_start)
+            with safe_open(str(file), framework="numpy") as handle:
+                value = handle.get_tensor(name)
+            return value if dtype in fp8.PACKED_FP4 else np.asarray(value, np.float32)
         except Exception as e:
             raise PretrainedFormatError(f"{file}: tensor {name} cannot be read: "
                                         f"{type(e).__name__}: {e}") from e
 
+    def _scale_name(self, name):
+        return next((s for s in fp8.scale_names(name) if s in self.index), None)
+
+    def _read_scale(self, name):
+        scale = self._scale_name(name)
+        return fp8.scale_values(self._read_stored(scale), self._stored_dtype(scale))
+
     def _scales(self, name, q):
         file = self.index[name]
         block = fp8.block_size(self.config, self.path / "config.json")
-        scale = name + fp8.SCALE_SUFFIX
-        if block is None or scale not in self.index:
-            raise PretrainedFormatError(f"{file}: tensor {name} is {q.dtype} but the "
-                                        f"folder has no {scale} / fp8 quantization_config")
-        scale_inv = self.read(scale)
+        if block is None or self._scale_name(name) is None:
+            raise PretrainedFormatError(f"{file}: tensor {name} is {q.dtype} but the folder "
+                                        f"has none of {fp8.scale_names(name)} / no fp8 "
+                                        "quantization_config")
+        scale_inv = self._read_scale(name)
         want = tuple(-(-n // b) for n, b in zip(q.shape, block))
         if tuple(scale_inv.shape) != want:
             raise PretrainedFormatError(
