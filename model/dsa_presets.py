@@ -21,6 +21,17 @@ Where the values come from:
   (none here: every layer runs its indexer, as transformers' config does without the key;
   the 1-in-4 IndexCache schedule {index_topk_freq: 4, index_skip_topk_offset: 3} seen in
   later GLM-5.x configs is GLM5_SHARED_SCHEDULE, an override).
+- DeepSeek-V4-Flash (model_type deepseek_v4): transformers 5.23's DeepseekV4Config
+  defaults, which its docstring ties to deepseek-ai/DeepSeek-V4-Flash-Base: hidden 4096,
+  43 layers, 64 heads of 512 with one shared K = V head (RoPE on 64 dims), q_lora 1024,
+  output in 8 groups of rank 1024, 256 experts of 2048 (6 routed + 1 shared per token,
+  sqrtsoftplus, routed_scaling_factor 1.5, the first 3 layers hash-routed), vocab 129280,
+  window 128, CSA ratio 4 and HCA ratio 128, indexer 64 heads x 128, top 512, hc_mult 4.
+  Not confirmed from the released config.json: the layer order. Issue #55 gives the counts
+  (2 sliding, 21 CSA, 20 HCA); here the two sliding layers come first and CSA / HCA
+  alternate from CSA (`compress_ratios` 0, 0, 4, 128, 4, ...); nor the compress table's YaRN
+  (factor 16 over 65536 here: shapes and costs do not depend on it). DeepSeek-V4-Pro is not a
+  preset: only its width (7168), layer counts (30 CSA, 31 HCA) and top 1024 are known here.
 """
 
 V32_CONFIG = dict(
@@ -47,6 +58,20 @@ GLM5_CONFIG = dict(
     index_n_heads=32, tie_word_embeddings=False,
     rope_parameters=dict(rope_type="default", rope_theta=1000000.0))
 
+V4_FLASH_CONFIG = dict(
+    architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", vocab_size=129280,
+    hidden_size=4096, moe_intermediate_size=2048, num_hidden_layers=43,
+    num_attention_heads=64, num_key_value_heads=1, head_dim=512, q_lora_rank=1024,
+    qk_rope_head_dim=64, num_experts_per_tok=6, n_routed_experts=256, n_shared_experts=1,
+    scoring_func="sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=1.5,
+    max_position_embeddings=1048576, rope_theta=10000.0, compress_rope_theta=160000.0,
+    compress_ratios=[0, 0] + [4 if i % 2 == 0 else 128 for i in range(41)],
+    num_hash_layers=3, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0,
+    sliding_window=128, o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128,
+    index_topk=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_parameters=dict(rope_type="yarn", factor=16.0, original_max_position_embeddings=65536,
+                         beta_fast=32, beta_slow=1))
+
 # GLM-5.x's IndexCache schedule (ModelConfig.indexer_types): layers 0-2 full, then one full
 # layer in four (3, 7, 11, ...): 21 of 78 layers run an indexer.
 GLM5_SHARED_SCHEDULE = {"index_topk_freq": 4, "index_skip_topk_offset": 3}
@@ -56,14 +81,22 @@ GLM5_SHARED_SCHEDULE = {"index_topk_freq": 4, "index_skip_topk_offset": 3}
 RUN_FIELDS = dict(dtype="bfloat16", prefill_chunk=4096,
                   hierarchical=dict(candidate_tokens=8192, fine_batch_size=4096))
 
-DSA_PRESETS = {"deepseek-v3.2": ("deepseek_v32", V32_CONFIG), "glm-5": ("glm_moe_dsa", GLM5_CONFIG)}
+# DeepSeek-V4's selection runs over compressed entries, so its budget counts entries: 4 x
+# top_k in blocks of 4, one table per query (what experiments.benchmarks.v4_entries
+# measured: docs/models.md).
+V4_RUN_FIELDS = dict(dtype="bfloat16", prefill_chunk=4096,
+                     hierarchical=dict(block_size=4, candidate_tokens=2048, query_tile=1,
+                                       fine_batch_size=4096))
+
+DSA_PRESETS = {"deepseek-v3.2": ("deepseek_v32", V32_CONFIG, RUN_FIELDS),
+               "glm-5": ("glm_moe_dsa", GLM5_CONFIG, RUN_FIELDS),
+               "deepseek-v4-flash": ("deepseek_v4", V4_FLASH_CONFIG, V4_RUN_FIELDS)}
 
 
 def dsa_preset(name):
     """The ModelConfig of a full-size DSA preset (DSA_PRESETS), built by the checkpoint
     loader's own mapping from the config.json values above."""
-    from model.pretrained.mla_moe import dsa_config
     from model.pretrained.safetensors_dir import DSA_FAMILIES
 
-    family, values = DSA_PRESETS[name]
-    return dsa_config(values, DSA_FAMILIES[family], source=f"preset {name}", **RUN_FIELDS)
+    family, values, run = DSA_PRESETS[name]
+    return DSA_FAMILIES[family].config(values, source=f"preset {name}", **run)

@@ -53,6 +53,7 @@ PRESETS = _Presets({
     # timing (keep_layers cuts them down). Never instantiated with weights in tests.
     "deepseek-v3.2": _dsa("deepseek-v3.2"),
     "glm-5": _dsa("glm-5"),
+    "deepseek-v4-flash": _dsa("deepseek-v4-flash"),
 })
 
 

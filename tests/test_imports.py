@@ -96,7 +96,7 @@ def test_the_walk_sees_function_level_imports():
     """The graph is not vacuous: model.dsa_presets imports the checkpoint loader inside a
     function, and that arrow is in it."""
     graph = import_graph()
-    assert "model.pretrained.mla_moe" in graph["model.dsa_presets"]
+    assert "model.pretrained.safetensors_dir" in graph["model.dsa_presets"]
     assert cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
 
 

@@ -61,7 +61,7 @@ from model.presets import get_config  # noqa: E402
 from pallas_kernels.grouped_matmul import rows_per_tile, tile_work  # noqa: E402
 
 NAME = "gpu_compile"
-MODELS = ("deepseek-v3.2", "glm-5")
+MODELS = ("deepseek-v3.2", "glm-5", "deepseek-v4-flash")
 FP8_BLOCK = (128, 128)  # the released checkpoints' block scales
 # The plain-XLA implementation of every kernel op, for the FLOPs count.
 XLA_IMPLEMENTATIONS = {"index_scores": "xla", "gathered_index_scores": "xla",

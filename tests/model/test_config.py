@@ -4,8 +4,26 @@ from model import PRESETS, ModelConfig, get_config
 from model.config import keep_layers
 
 
+def test_the_deepseek_v4_flash_preset_is_its_published_size():
+    """transformers' DeepseekV4Config defaults (DeepSeek-V4-Flash-Base) through the folder
+    loader's mapping: the issue's layer counts, and 284B parameters as published (counted
+    from the model's shapes by model.memory, bf16 with float32 norms and router)."""
+    from collections import Counter
+
+    from model.memory import param_bytes_per_device
+
+    flash = get_config("deepseek-v4-flash")
+    assert Counter(flash.v4.layer_types) == {"sliding": 2, "csa": 21, "hca": 20}
+    assert (flash.d_model, flash.n_heads, flash.head_dim, flash.top_k, flash.index_heads,
+            flash.index_dim, flash.v4.csa_ratio, flash.v4.hca_ratio) == (
+        4096, 64, 512, 512, 64, 128, 4, 128)
+    assert flash.moe.mlp_layer_types[:4] == ("hash",) * 3 + ("sparse",)
+    _, total = param_bytes_per_device(flash, {})
+    assert 283e9 < total / 2 < 286e9
+
+
 def test_presets_are_valid():
-    assert set(PRESETS) >= {"tiny", "small", "deepseek-v3.2", "glm-5"}
+    assert set(PRESETS) >= {"tiny", "small", "deepseek-v3.2", "glm-5", "deepseek-v4-flash"}
     v32 = get_config("deepseek-v3.2")
     assert (v32.index_heads, v32.index_dim, v32.index_rope_dim, v32.top_k) == (64, 128, 64, 2048)
     # The real architecture (the loader's mapping of its config.json), not a GQA stand-in.
