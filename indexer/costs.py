@@ -122,6 +122,18 @@ class Selection:
     itemsize: int
     config: object = None
     tile_candidates: bool = False
+    key_ratio: int = 1  # positions each key summarises (DeepSeek-V4's CSA entries)
+
+
+def key_pairs(s, p0, T, cap):
+    """sum over queries at p0 .. p0+T-1 of the keys each sees, at most cap: min(cap, p + 1),
+    or with key_ratio r the whole entries, min(cap, (p + 1) // r)."""
+    return visible_blocks(p0 - s.key_ratio + 1, T, cap, s.key_ratio)
+
+
+def block_pairs(s, p0, T, cap, B):
+    """sum over the queries of the key blocks of B keys each sees, at most cap."""
+    return visible_blocks(p0 - s.key_ratio + 1, T, cap, s.key_ratio * B)
 
 
 def _topk(name, rows, cols, k):
@@ -139,7 +151,7 @@ def memory_op(stage, name, nbytes):
 
 def flat_ops(s, T, p0, kv_len, skip):
     """Flat selection: index scores of every (query, key) pair, then top-k over each row."""
-    pairs = visible_keys(p0, T, kv_len) if skip else T * kv_len
+    pairs = key_pairs(s, p0, T, kv_len) if skip else T * kv_len
     keys = kv_len * s.dim * s.itemsize * -(-T // 64)  # re-read per 64-query tile
     return [Op("indexer", "flat scores", "index_scores", flops=2 * s.heads * s.dim * pairs,
                bytes=T * s.heads * (s.dim * s.itemsize + F32) + keys + T * kv_len * F32),
@@ -152,8 +164,9 @@ def streaming_ops(s, T, p0, kv_len, skip):
     worst case of its ranking: every visible tile's top-k merged into the running one
     (on CPU at 8K-32K with top_k 1024 nearly every tile merges at full size)."""
     tile = min(STREAMING_KEY_TILE, kv_len)
-    tiles = -(-min(p0 + T, kv_len) // tile)  # visible tiles of the last query chunk
-    pairs = visible_keys(p0, T, kv_len) if skip else T * tiles * tile
+    # visible tiles of the last query chunk
+    tiles = -(-min((p0 + T) // s.key_ratio, kv_len) // tile)
+    pairs = key_pairs(s, p0, T, kv_len) if skip else T * tiles * tile
     keys = tiles * tile * s.dim * s.itemsize * -(-T // 64)
     take = min(s.top_k, tile)
     return [Op("indexer", "streaming scores", "index_scores",
@@ -180,7 +193,7 @@ def hierarchical_ops(s, T, p0, kv_len, skip):
         n_union, own = n_cand, False
     n_tiles = -(-T // tile)
     hc = min(c.coarse_heads or H, H)
-    pairs = visible_blocks(p0, T, nb, B) if skip else T * nb
+    pairs = block_pairs(s, p0, T, nb, B) if skip else T * nb
     ops = [memory_op("indexer", "block means", nb * d * F32 * 2),
            Op("indexer", "coarse scores", "index_scores", flops=2 * hc * d * pairs,
               bytes=T * hc * (d * b + F32) + nb * d * b + T * nb * F32),
@@ -211,7 +224,7 @@ def hierarchical_ops(s, T, p0, kv_len, skip):
         if own:
             ops.append(memory_op("indexer", "table slots", n_tiles * nb * F32 * 2
                             + T * n_cand * F32 * 2))
-    columns = B * visible_blocks(p0, T, n_union, B) if skip else T * n_union * B
+    columns = B * block_pairs(s, p0, T, n_union, B) if skip else T * n_union * B
     ops.append(Op("indexer", "fine scores", "gathered_scores", flops=2 * H * d * columns,
                   bytes=T * H * (d * b + F32) + T * n_union * B * F32,
                   gather_bytes=n_tiles * n_union * B * d * b, gather_source=kv_len * d * b))

@@ -20,6 +20,7 @@ from indexer.selection import selection_kind
 from model.attention_kinds import attention_kind
 from model.buckets import chunk_plan, length_bucket
 from model.cache import bytes_per_token, layer_bytes_per_token
+from model.deepseek_v4.costs import v4_attention_ops, v4_shape
 
 STAGES = ("other", "indexer", "attention")
 
@@ -57,6 +58,13 @@ class AttentionShape:
     cache_row: int | None = None
     rope: int | None = None
     norm_params: int = 0
+    # DeepSeek-V4 (model/deepseek_v4/costs.py): the window every query reads, positions per
+    # compressed entry, which entries it reads ("selected": top_k; "all"), and the
+    # projections of the kind's own indexer (CSA's).
+    window: int = 0
+    entry_ratio: int = 0
+    reads_entries: str = ""
+    own_index_params: int = 0
 
     @property
     def cached(self):
@@ -96,28 +104,32 @@ def mla_attention(config):
                           expand_params=kv_b, cache_row=lat, **own)
 
 
+def _v4(kind):
+    return lambda config: AttentionShape(**v4_shape(config, kind))
+
+
 # Each attention kind's cost entry (model.attention_kinds): config -> its AttentionShape.
-ATTENTION_COSTS = {"gqa": gqa_attention, "mla": mla_attention}
+ATTENTION_COSTS = {"gqa": gqa_attention, "mla": mla_attention,
+                   **{kind: _v4(kind) for kind in ("sliding", "csa", "hca")}}
 
 
 def countable(config):
-    """Whether every layer's attention kind has a cost entry (DeepSeek-V4's do not yet)."""
+    """Whether every layer's attention kind has a cost entry."""
     return all(attention_kind(config, layer).name in ATTENTION_COSTS
                for layer in range(config.n_layers))
 
 
-def attention_shape(config):
-    """The config's own attention, as its kind's cost entry counts it."""
-    name = attention_kind(config).name
+def attention_shape(config, layer=0):
+    """Layer `layer`'s attention, as its kind's cost entry counts it."""
+    name = attention_kind(config, layer).name
     if name not in ATTENTION_COSTS:
-        raise ValueError(f"the cost model has no entry for attention kind {name!r} yet "
-                         f"(DeepSeek-V4's sliding / CSA / HCA layers: issue #55)")
+        raise ValueError(f"the cost model has no entry for attention kind {name!r}")
     return ATTENTION_COSTS[name](config)
 
 
-def model_selection(config, kind):
+def model_selection(config, kind, key_ratio=1):
     return Selection(kind, config.index_heads, config.index_dim, config.top_k, itemsize(config),
-                     config.settings(kind))
+                     config.settings(kind), key_ratio=key_ratio)
 
 
 def selection_ops(s, T, p0, kv_len, skip):
@@ -129,7 +141,10 @@ def selection_ops(s, T, p0, kv_len, skip):
 def attention_ops(a, T, p0, kv_len, top_k, b, skip):
     """Sparse attention over top_k selected tokens per query, and dense causal attention
     (stage "dense_attention", for comparison: flash-style, K/V re-read per 128 queries).
-    An expanded MLA first expands every read latent row (a.expand_params), in both."""
+    An expanded MLA first expands every read latent row (a.expand_params), in both.
+    DeepSeek-V4's kinds: their window and entries (model.deepseek_v4.costs)."""
+    if a.window:
+        return v4_attention_ops(a, T, p0, kv_len, top_k, b, skip)
     entries = visible_keys(p0, T, top_k) if skip else T * top_k
     qo = T * a.heads * (a.qk_dim + a.v_dim) * b
     pairs = visible_keys(p0, T, kv_len) if skip else T * kv_len
@@ -219,16 +234,33 @@ def other_layer_ops(config, a, T, b, *, indexer=True, moe=False):
                    a.heads * (a.qk_dim + a.v_dim), T, b)]
     if indexer:
         ops.append(_linear("indexer projections", indexer_params(c), c.d_model, idx_out, T, b))
+    if a.own_index_params:
+        ops.append(_linear("indexer projections", a.own_index_params, c.d_model,
+                           c.index_heads * c.index_dim, T, b))
+    if c.v4 is not None:  # two hyper-connections: the mixing weights from the N streams
+        N = c.v4.hc_mult
+        ops.append(_linear("hyper-connections", 2 * hc_params(c), N * c.d_model,
+                           (2 + N) * N, T, b))
     return ops + mlp_ops(c, T, b, moe=moe) + [
         memory_op("other", "elementwise", elementwise),
         memory_op("other", "cache writes", T * (a.cached + index_dim) * b
                   + T * index_dim * (F32 * 4 + b))]
 
 
+def hc_params(config):
+    """One hyper-connection's mixing weights (DeepSeek-V4): [(2 + N) N, N d_model]."""
+    N = config.v4.hc_mult
+    return (2 + N) * N * N * config.d_model
+
+
 def head_ops(config, T, b):
     c = config
-    return [memory_op("other", "embedding and final norm", T * c.d_model * b * 3),
-            _linear("lm_head", c.d_model * c.vocab_size, c.d_model, c.vocab_size, T, b)]
+    ops = [memory_op("other", "embedding and final norm", T * c.d_model * b * 3),
+           _linear("lm_head", c.d_model * c.vocab_size, c.d_model, c.vocab_size, T, b)]
+    if c.v4 is not None:  # the streams' last collapse
+        N = c.v4.hc_mult
+        ops.append(_linear("hyper-connections", N * N * c.d_model, N * c.d_model, N, T, b))
+    return ops
 
 
 SHARED = "shared"  # PrefillCounts' key of a layer that reuses another's selection
@@ -257,8 +289,23 @@ class PrefillCounts:
 
 
 def layer_key(config, layer, indexer=None):
+    """The selection kind of the layer (SHARED: none), "+moe" for an MoE feed-forward; a
+    model with several attention kinds (DeepSeek-V4) prefixes the layer's, "csa/flat",
+    and its layers that do not select are just their kind, "hca"."""
     kind = SHARED if config.layer_is_shared(layer) else indexer or config.layer_indexer(layer)
+    if config.v4 is not None:
+        attn = attention_kind(config, layer).name
+        kind = f"{attn}/{kind}" if attn == "csa" else attn
     return kind + MOE if config.layer_is_moe(layer) else kind
+
+
+def _attention_and_selection(config, key):
+    """(attention kind or None for the config's one, selection kind or None) of a layer key."""
+    kind = key.removesuffix(MOE)
+    if config.v4 is None:
+        return None, (None if kind == SHARED else kind)
+    attn, _, selection = kind.partition("/")
+    return attn, selection or None
 
 
 def prefill_counts(config, L, *, skip, indexer=None, attention=None, selections=None,
@@ -268,27 +315,38 @@ def prefill_counts(config, L, *, skip, indexer=None, attention=None, selections=
     indexer_types select nothing either way). attention: an AttentionShape (default: the
     config's own, attention_shape). selections: {kind: Selection} overrides. chunks:
     [model.buckets.Chunk] (default: chunk_plan's chunks of config.prefill_chunk from 0)."""
-    a = attention or attention_shape(config)
     b = itemsize(config)
     layers = tuple(layer_key(config, i, indexer) for i in range(config.n_layers))
-    kinds = {key.removesuffix(MOE) for key in layers}
-    sels = {kind: model_selection(config, kind) for kind in kinds - {SHARED}}
-    sels.update(selections or {})
-    mlps = {key.endswith(MOE) for key in layers}
-    keys = set(layers) | {kind + (MOE if moe else "") for kind in sels for moe in mlps}
+    if config.v4 is None:
+        kinds = {key.removesuffix(MOE) for key in layers}
+        mlps = {key.endswith(MOE) for key in layers}
+        keys = set(layers) | {kind + (MOE if moe else "") for kind in kinds - {SHARED}
+                              for moe in mlps}
+    else:  # the layers as they are (a selection kind lives in its CSA layers' keys)
+        keys = set(layers)
+    attn = {key: attention or attention_shape(config, layers.index(key) if key in layers
+                                              else 0) for key in keys}
+    ratio = {"csa": config.v4.csa_ratio} if config.v4 is not None else {}
+    sels = {}
+    for key in keys:
+        kind_attn, selection = _attention_and_selection(config, key)
+        if selection is not None:
+            sels[key] = (selections or {}).get(selection) or model_selection(
+                config, selection, ratio.get(kind_attn, 1))
     if chunks is None:
         chunks = chunk_plan(L, start=0, capacity=length_bucket(L), chunk=config.prefill_chunk)
     per_layer = {key: OpList() for key in keys}
     head = OpList()
     for ch in chunks:
         T = ch.padded
-        attend = attention_ops(a, T, ch.position, ch.kv_len, config.top_k, b, skip)
         for key, ops in per_layer.items():
-            kind, moe = key.removesuffix(MOE), key.endswith(MOE)
-            ops.extend(other_layer_ops(config, a, T, b, indexer=kind != SHARED, moe=moe)
-                       + attend)
-            if kind != SHARED:
-                ops.extend(selection_ops(sels[kind], T, ch.position, ch.kv_len, skip))
+            a, moe = attn[key], key.endswith(MOE)
+            ops.extend(other_layer_ops(config, a, T, b,
+                                       indexer=config.v4 is None and key in sels, moe=moe)
+                       + attention_ops(a, T, ch.position, ch.kv_len, config.top_k, b, skip))
+            if key in sels:
+                keys_ = ch.kv_len // sels[key].key_ratio
+                ops.extend(selection_ops(sels[key], T, ch.position, keys_, skip))
         head.extend(head_ops(config, T, b))
     return PrefillCounts(per_layer, head, layers)
 
@@ -297,13 +355,18 @@ def _layer_params(config, a, layer, *, active):
     """Parameters of layer `layer`: norms, attention, indexer, feed-forward (active: the
     routed experts one token runs, num_experts_per_tok of them, instead of all)."""
     c = config
-    n = 2 * c.d_model + a.params + a.norm_params
-    if not c.layer_is_shared(layer):
+    a = a or attention_shape(c, layer)
+    n = 2 * c.d_model + a.params + a.norm_params + a.own_index_params
+    if c.v4 is not None:
+        n += 2 * (hc_params(c) + (2 + c.v4.hc_mult) * c.v4.hc_mult + 3)
+    elif not c.layer_is_shared(layer):
         n += indexer_params(c) + 2 * c.index_dim  # + the key LayerNorm's scale and bias
     if not c.layer_is_moe(layer):
         return n + 3 * c.d_model * c.d_ff
     m = c.moe
     routed = m.num_experts_per_tok if active else m.n_routed_experts
+    if c.layer_is_hashed(layer):  # the token -> experts table replaces the choice bias
+        n += c.vocab_size * m.num_experts_per_tok - m.n_routed_experts
     return n + (m.n_routed_experts * (c.d_model + 1)  # router and its bias
                 + 3 * c.d_model * m.moe_intermediate_size * (routed + m.n_shared_experts))
 
@@ -314,11 +377,13 @@ def parameter_count(config, attention=None, *, active=False, embeddings=True):
     num_experts_per_tok chosen). embeddings=False leaves out the input embedding table (a
     lookup, no FLOPs); lm_head stays. attention: projections in place of the config's own."""
     c = config
-    a = attention or attention_shape(config)
     # lm_head, plus the embedding table unless it is lm_head too (tied) or left out
     head = c.vocab_size * c.d_model * (2 if embeddings and not c.tie_embeddings else 1)
-    return (sum(_layer_params(c, a, i, active=active) for i in range(c.n_layers)) + head
-            + c.d_model)
+    if c.v4 is not None:
+        N = c.v4.hc_mult
+        head += N * N * c.d_model + N + 1  # the last collapse
+    return (sum(_layer_params(c, attention, i, active=active) for i in range(c.n_layers))
+            + head + c.d_model)
 
 
 def index_key_bytes(config, *, fp8=False):

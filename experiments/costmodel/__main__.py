@@ -1,5 +1,6 @@
 """python -m experiments.costmodel [...]; python -m experiments.costmodel sharding [...]
-(sequence-parallel communication and scaling: experiments.costmodel.sharding)."""
+(sequence-parallel communication and scaling: experiments.costmodel.sharding);
+python -m experiments.costmodel v4 [...] (DeepSeek-V4-Flash: experiments.costmodel.v4)."""
 
 import sys
 
@@ -10,5 +11,9 @@ if __name__ == "__main__":
         from experiments.costmodel.sharding import main as sharding_main
 
         sharding_main(sys.argv[2:])
+    elif sys.argv[1:2] == ["v4"]:
+        from experiments.costmodel.v4 import main as v4_main
+
+        v4_main(sys.argv[2:])
     else:
         main()

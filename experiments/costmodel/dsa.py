@@ -24,7 +24,6 @@ from indexer.costs import Op, OpList
 from model import get_config
 from model.costs import (
     cache_bytes_per_token,
-    index_key_bytes,
     itemsize,
     max_context,
     model_cache_bytes_per_token,
@@ -77,8 +76,9 @@ def ttft_rows(calibration, model_list=None, lengths=LENGTHS, setups=SETUPS):
                 row = {"model": label, "hardware": hw, "devices": n, "length": L}
                 for kind in ("flat", "hierarchical"):
                     counts = prefill_counts(config, L, skip=True, indexer=kind)
-                    p = predict(counts, rates, devices=n, length=L, n_layers=full_layers(config),
-                                index_key_bytes=index_key_bytes(config),
+                    # every layer's new index keys (or entries) gathered, summed per token
+                    p = predict(counts, rates, devices=n, length=L, n_layers=1,
+                                index_key_bytes=model_cache_bytes_per_token(config)["index_keys"],
                                 comm=[expert_combine_op(config, L, n)])
                     row[f"{kind}_ttft_s"] = p["ttft_s"]
                     row[f"indexer_share_{kind}"] = p["indexer_share"]

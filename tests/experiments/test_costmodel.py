@@ -376,3 +376,19 @@ def test_reuse_and_streaming_predictions(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         costmodel.main(argv + ["--reuse", "SF", "--out", str(tmp_path / "bad")])
     assert e.value.code == 2 and "--reuse SF" in capsys.readouterr().err
+
+
+def test_the_v4_flash_table_counts_hierarchical_over_entries(tmp_path):
+    """`python -m experiments.costmodel v4` at 128K on 8 x H200: both block sizes, a
+    hierarchical TTFT below flat's and a smaller indexer share, the preset's parameters."""
+    from experiments.costmodel import v4
+
+    out = v4.main(["--lengths", "131072", "--hardware", "h200", "--out", str(tmp_path)])
+    assert round(out["model"]["parameters"] / 1e9, 1) == 284.3
+    assert [v["fixture_recall"] for v in out["variants"]] == [0.967, 0.891]
+    for variant in out["variants"]:
+        (row,) = variant["rows"]
+        assert row["hardware"] == "h200" and row["devices"] == 8 and row["length"] == 131072
+        assert row["hierarchical_ttft_s"] < row["flat_ttft_s"]
+        assert 0 < row["indexer_share_hierarchical"] < row["indexer_share_flat"] < 1
+    assert (tmp_path / "costmodel_v4.md").read_text().startswith("## DeepSeek-V4-Flash")
