@@ -257,17 +257,30 @@ def state_fields(config):
 
 
 def take_prefix(cache, length, config):
-    """The rows of the first `length` positions (static) of every field: a list over layers
-    of {field: array} (a "prefix"; jit-able with length and config static). ValueError
-    for a cache with state fields: a ring holds the state at the cache's end, not at
-    `length` (DeepSeek-V4's prefix blocks carrying it: issue #55)."""
-    rings = state_fields(config)
-    if rings:
-        raise ValueError(f"a prefix of this cache would lose its state fields {rings} "
-                         "(DeepSeek-V4's window and compressor tails): prefix reuse for V4 "
-                         "is not built yet")
-    return [{name: array[:_rows(name, length, config)] for name, array in c.fields.items()}
+    """The rows of the first `length` positions (static) of every field that grows with
+    the positions: a list over layers of {field: array} (a "prefix"; jit-able with length
+    and config static). State fields (DeepSeek-V4's rings) hold the state at the cache's
+    end, not at `length`: they are not part of a prefix (take_state)."""
+    return [{name: array[:_rows(name, length, config)] for name, array in c.fields.items()
+             if not field(name).is_state} for c in cache]
+
+
+def take_state(cache):
+    """The state fields of every layer (DeepSeek-V4's window and compressor tails), as they
+    are at the cache's end: a list over layers of {field: array} (jit-able)."""
+    return [{name: array for name, array in c.fields.items() if field(name).is_state}
             for c in cache]
+
+
+def put_state(cache, state):
+    """`cache` with its state fields replaced by `state` (take_state's form; jit-able)."""
+    return [c.replace(**{name: value.astype(c.fields[name].dtype) for name, value in s.items()})
+            for c, s in zip(cache, state)]
+
+
+def state_bytes(state):
+    """Bytes of a host state (take_state's form)."""
+    return sum(int(a.nbytes) for layer in state for a in layer.values())
 
 
 def put_prefix(cache, prefix):

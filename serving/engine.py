@@ -16,6 +16,7 @@ the same order: serving.follower.
 
 import dataclasses
 import logging
+import math
 import time
 
 import jax
@@ -71,10 +72,27 @@ class Prefill:
     logits: jax.Array | None = None
     step_seconds: float = 0.0  # wall time of the prefill steps so far (device work included)
     shadow: list = dataclasses.field(default_factory=list)  # ShadowRecords of watched chunks
+    # a stateful model's state (model.cache.take_state, host) at its last full block's end
+    snapshot: list | None = None
 
     @property
     def done(self):
         return self.position >= len(self.tokens)
+
+
+def check_block_tokens(config, block_tokens):
+    """ValueError naming cache_block_tokens unless a prefix block holds whole rows of every
+    cache field (the indexer's key blocks; DeepSeek-V4's entries, one per 4 or 128
+    positions, and blocks of them)."""
+    strides = {layer_cache.field(name).stride(config)
+               for layer in range(config.n_layers)
+               for name in layer_cache.layer_fields(config, layer)
+               if not layer_cache.field(name).is_state}
+    need = math.lcm(*strides)
+    if block_tokens % need:
+        raise ValueError(f"serving config: cache_block_tokens ({block_tokens}) must be a "
+                         f"multiple of {need}, the positions per row of this model's cache "
+                         f"fields (the indexer's block size and compressed entries)")
 
 
 class Engine:
@@ -94,16 +112,13 @@ class Engine:
         self.n_slots = slots
         self.chunk = prefill_chunk or self.config.prefill_chunk
         self.prefix_cache = prefix_cache
-        if prefix_cache is not None and prefix_cache.enabled and \
-                layer_cache.state_fields(self.config):
-            raise ValueError("serving config: cache_size must be 0 (CACHE_SIZE=0: no prefix "
-                             "cache) for this model: its cache keeps state that prefix blocks "
-                             f"do not carry yet ({layer_cache.state_fields(self.config)}, "
-                             "DeepSeek-V4)")
-        self.block_size = block = self.config.hierarchical.block_size
-        if prefix_cache is not None and prefix_cache.block_tokens % block:
-            raise ValueError(f"serving config: cache_block_tokens ({prefix_cache.block_tokens})"
-                             f" must be a multiple of the indexer's block size ({block})")
+        # A model whose cache keeps state (DeepSeek-V4's window and compressor rings): a
+        # prefix is reusable only where that state was saved, at the end of a prompt's last
+        # full block (`Prefill.snapshot`, Block.state).
+        self.stateful = bool(layer_cache.state_fields(self.config))
+        self.block_size = self.config.hierarchical.block_size
+        if prefix_cache is not None:
+            check_block_tokens(self.config, prefix_cache.block_tokens)
         # Every cache handed to a jitted step is committed to the device, as the steps'
         # outputs are (with committed weights): jit keys its compiled programs on it, and a
         # fresh uncommitted cache would miss the warm-up's programs and compile again.
@@ -113,6 +128,7 @@ class Engine:
             self._put_slot = jax.jit(_put_slot, donate_argnums=0)
             self._take_prefix = jax.jit(layer_cache.take_prefix, static_argnums=(1, 2))
             self._with_prefix = jax.jit(self._cache_with_prefix)
+            self._take_state = jax.jit(layer_cache.take_state)
             self._sample, self._sample_one, self._xp = sample_batch, None, jnp
             self._flat_rows = flat_rows_program()
             return
@@ -138,6 +154,7 @@ class Engine:
         self._take_prefix = jax.jit(layer_cache.take_prefix, static_argnums=(1, 2),
                                     out_shardings=whole)
         self._with_prefix = jax.jit(self._cache_with_prefix, out_shardings=self._cache_shardings)
+        self._take_state = jax.jit(layer_cache.take_state, out_shardings=whole)
         # Sampling inputs go in as host arrays (placed by jit, the same on every process).
         self._sample = jax.jit(_sample_batch, out_shardings=whole)
         self._sample_one = jax.jit(_sample_first, out_shardings=whole)
@@ -150,15 +167,21 @@ class Engine:
         """A Prefill of `tokens`, its cache starting with the longest cached prefix (at most
         len - 1 tokens: the last token is always prefilled, for its logits)."""
         tokens = np.asarray(tokens, np.int32)
-        hit_blocks = []
+        held = []
         if self.prefix_cache is not None:
-            _, hit_blocks = self.prefix_cache.lookup(tokens, max_tokens=len(tokens) - 1)
+            _, held = self.prefix_cache.lookup(tokens, max_tokens=len(tokens) - 1)
+        hit_blocks = held
+        if self.stateful:  # up to the deepest block that saved the state at its end
+            saved = [i for i, block in enumerate(held) if block.state is not None]
+            hit_blocks = held[:saved[-1] + 1] if saved else []
         if not hit_blocks:
+            if held:
+                self.prefix_cache.release(held)
             return Prefill(tokens, self._fresh_cache(), 0, 0)
         try:
             cache = self._assemble(hit_blocks)
         finally:
-            self.prefix_cache.release(hit_blocks)
+            self.prefix_cache.release(held)
         hit = len(hit_blocks) * self.prefix_cache.block_tokens
         return Prefill(tokens, cache, hit, hit)
 
@@ -179,6 +202,9 @@ class Engine:
         if isinstance(rows, str):
             rows = self.shadow_plan(state)
         start, end = state.position, min(len(state.tokens), state.position + self.chunk)
+        saved_at = self._state_boundary(state)
+        if saved_at is not None and start < saved_at < end:
+            end = saved_at  # the chunk stops where the state is saved
         t0 = time.perf_counter()
         if rows is None or len(rows) == 0:
             state.logits, state.cache = self.runner.prefill(
@@ -193,6 +219,8 @@ class Engine:
         t1 = time.perf_counter()
         state.step_seconds += t1 - t0
         state.position = end
+        if end == saved_at:
+            state.snapshot = jax.device_get(self._take_state(state.cache))
         if rows is not None and len(rows):
             record = self._watch(state.cache, captured, np.asarray(rows, np.int32), start, end,
                                  t1)
@@ -230,22 +258,37 @@ class Engine:
             token = self._sample_one(state.logits, *arrays)
         return int(np.asarray(token)[0])
 
+    def _state_boundary(self, state):
+        """Where a stateful model's prefill saves its state for the prefix cache: the end
+        of the prompt's last full block (None: nothing to save)."""
+        pc = self.prefix_cache
+        if not self.stateful or pc is None or not pc.enabled:
+            return None
+        end = len(state.tokens) // pc.block_tokens * pc.block_tokens
+        return end if end > state.cache_hit_tokens else None
+
     def cache_prompt(self, state):
-        """Stores the prompt's full blocks that the prefix cache lacks (after prefill)."""
+        """Stores the prompt's full blocks that the prefix cache lacks (after prefill), and
+        a stateful model's state with its last full block."""
         pc = self.prefix_cache
         if pc is None or not pc.enabled:
             return
         missing = pc.missing(state.tokens)
-        if not missing:
-            return
-        end = (missing[-1] + 1) * pc.block_tokens
-        prefix = jax.device_get(self._take_prefix(
-            state.cache, min(self.capacity, length_bucket(end)), self.config))
         blocks = {}
-        for i in missing:
-            piece = layer_cache.slice_prefix(prefix, i * pc.block_tokens,
-                                             (i + 1) * pc.block_tokens, self.config)
-            blocks[i] = Block(piece, layer_cache.prefix_bytes(piece))
+        if missing:
+            end = (missing[-1] + 1) * pc.block_tokens
+            prefix = jax.device_get(self._take_prefix(
+                state.cache, min(self.capacity, length_bucket(end)), self.config))
+            for i in missing:
+                piece = layer_cache.slice_prefix(prefix, i * pc.block_tokens,
+                                                 (i + 1) * pc.block_tokens, self.config)
+                blocks[i] = Block(piece, layer_cache.prefix_bytes(piece))
+        if state.snapshot is not None:
+            last = len(state.tokens) // pc.block_tokens - 1
+            if last in blocks:
+                blocks[last].state = state.snapshot
+            else:
+                pc.save_state(state.tokens, last, state.snapshot)
         pc.insert(state.tokens, blocks)
 
     def _assemble(self, blocks):
@@ -253,7 +296,15 @@ class Engine:
         n = len(blocks) * self.prefix_cache.block_tokens
         prefix = layer_cache.pad_prefix(layer_cache.join_prefix([b.prefix for b in blocks]),
                                         min(self.capacity, length_bucket(n)), self.config)
-        return self._with_prefix(self._commit_prefix(prefix))
+        state = blocks[-1].state if self.stateful else None
+        return self._with_prefix(self._commit_prefix(prefix),
+                                 None if state is None else self._commit_state(state))
+
+    def _commit_state(self, state):
+        if self.mesh is None:
+            return self._commit(state)
+        return sharding.put(state, jax.sharding.NamedSharding(self.mesh,
+                                                              jax.sharding.PartitionSpec()))
 
     def _commit(self, tree):
         return jax.device_put(tree, self.device)
@@ -284,8 +335,9 @@ class Engine:
             return
         self.slots = self._commit(self.runner.new_batch_cache(self.n_slots, self.max_context))
 
-    def _cache_with_prefix(self, prefix):
-        return layer_cache.put_prefix(init_cache(self.config, self.capacity), prefix)
+    def _cache_with_prefix(self, prefix, state=None):
+        cache = layer_cache.put_prefix(init_cache(self.config, self.capacity), prefix)
+        return cache if state is None else layer_cache.put_state(cache, state)
 
     # ------------------------------------------------------------------ decode
 
@@ -349,6 +401,8 @@ class Engine:
             for padded in sorted({min(self.capacity, length_bucket(n))
                                   for n in range(P, max_len + 1, P)}):
                 prefix = self._take_prefix(scratch.cache, padded, self.config)
-                self._with_prefix(self._commit_prefix(jax.device_get(prefix)))
+                state = (self._commit_state(jax.device_get(self._take_state(scratch.cache)))
+                         if self.stateful else None)
+                self._with_prefix(self._commit_prefix(jax.device_get(prefix)), state)
         self.insert(0, scratch)
         return len(kv_buckets)

@@ -20,6 +20,8 @@ import hashlib
 
 import numpy as np
 
+from model.cache import state_bytes
+
 ROOT = b"dosa-prefix-root"
 
 
@@ -39,11 +41,15 @@ def block_keys(tokens, block_tokens, n_blocks=None):
 @dataclasses.dataclass
 class Block:
     """One cached block: its rows of every layer's cache (a host model.cache prefix, opaque
-    here) and their bytes by part {"kv", "index"} (model.cache.prefix_bytes)."""
+    here) and their bytes by part {"kv", "index"} (model.cache.prefix_bytes); state: for a
+    model whose cache keeps state (DeepSeek-V4's rings), that state at the block's end, when
+    a prompt ended its full blocks here (model.cache.take_state; None: a prefix may not end
+    at this block for such a model)."""
 
     prefix: list
     part_bytes: dict
     refs: int = 0
+    state: list | None = None
 
     @property
     def kv_bytes(self):
@@ -54,8 +60,12 @@ class Block:
         return self.part_bytes["index"]
 
     @property
+    def state_bytes(self):
+        return 0 if self.state is None else state_bytes(self.state)
+
+    @property
     def nbytes(self):
-        return self.kv_bytes + self.index_bytes
+        return self.kv_bytes + self.index_bytes + self.state_bytes
 
 
 class PrefixCache:
@@ -65,7 +75,7 @@ class PrefixCache:
         self.block_tokens = block_tokens
         self.max_blocks, self.max_bytes = max_blocks, max_bytes
         self._blocks = collections.OrderedDict()  # least recently used first
-        self.kv_bytes = self.index_bytes = 0
+        self.kv_bytes = self.index_bytes = self.state_bytes = 0
 
     def __len__(self):
         return len(self._blocks)
@@ -118,25 +128,38 @@ class PrefixCache:
                 self._blocks[key] = blocks[i]
                 self.kv_bytes += blocks[i].kv_bytes
                 self.index_bytes += blocks[i].index_bytes
+                self.state_bytes += blocks[i].state_bytes
             chain.append(key)
         for key in reversed(chain):
             self._blocks.move_to_end(key)
         self._evict()
 
+    def save_state(self, tokens, index, state):
+        """Gives cached block `index` of `tokens` the state at its end (a stateful model's
+        prompt ended its full blocks there); nothing when the block is not cached."""
+        keys = block_keys(tokens, self.block_tokens, index + 1)
+        block = self._blocks.get(keys[-1]) if len(keys) == index + 1 else None
+        if block is None or block.state is not None:
+            return
+        block.state = state
+        self.state_bytes += block.state_bytes
+        self._evict()
+
     def _evict(self):
         over = lambda: (len(self._blocks) > self.max_blocks
-                        or self.kv_bytes + self.index_bytes > self.max_bytes)
+                        or self.kv_bytes + self.index_bytes + self.state_bytes > self.max_bytes)
         for key in [k for k, b in self._blocks.items() if b.refs == 0]:
             if not over():
                 break
             block = self._blocks.pop(key)
             self.kv_bytes -= block.kv_bytes
             self.index_bytes -= block.index_bytes
+            self.state_bytes -= block.state_bytes
 
     def usage(self):
         """Blocks, bytes by part and bytes per cached token by part."""
         tokens = len(self._blocks) * self.block_tokens
         return dict(blocks=len(self._blocks), tokens=tokens, kv_bytes=self.kv_bytes,
-                    index_bytes=self.index_bytes,
+                    index_bytes=self.index_bytes, state_bytes=self.state_bytes,
                     kv_bytes_per_token=self.kv_bytes / tokens if tokens else 0.0,
                     index_bytes_per_token=self.index_bytes / tokens if tokens else 0.0)

@@ -47,17 +47,20 @@ def test_a_served_completion_equals_the_runners_greedy_tokens(family):
 
 
 @pytest.mark.slow  # compiles a V4 model's buckets
-def test_deepseek_v4_serves_completions_without_the_prefix_cache():
-    """A DeepSeek-V4 folder is served (decode slots batched by vmap over its rings) and
-    answers what the runner generates; with a prefix cache it refuses at start-up, naming
-    cache_size (its window and compressor state do not travel with prefix blocks yet)."""
+def test_deepseek_v4_serves_completions():
+    """A DeepSeek-V4 folder is served with its prefix cache (decode slots batched by vmap
+    over its rings) and answers what the runner generates; prefix blocks that would split
+    its cache rows (entries of 4, summaries of 256 positions) are refused at start-up,
+    naming cache_block_tokens. (Prefix reuse with its saved state: tests/serving/
+    test_engine.py.)"""
     folder = FIXTURES.parent / "deepseek_v4" / "tiny"
     refused = Service(test_config(model=str(folder), max_context=256, warmup_max_context=128,
                                   cache_block_tokens=64, cache_size=16))
     refused.start()
-    assert not refused.wait_ready(300) and "cache_size must be 0" in str(refused.error)
+    assert not refused.wait_ready(300) and "cache_block_tokens (64) must be a multiple of 256" \
+        in str(refused.error)
     service = Service(test_config(model=str(folder), max_context=256, warmup_max_context=128,
-                                  cache_block_tokens=64, cache_size=0))
+                                  cache_block_tokens=256, cache_size=16))
     running = RunningServer(service)
     service.start()
     try:

@@ -61,3 +61,44 @@ def test_prefill_from_the_prefix_cache_matches_a_cold_prefill(tiny, indexer_type
     assert usage["blocks"] == 4 and usage["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4
     full = 2 - indexer_types.count("S")
     assert usage["index_bytes_per_token"] == full * (16 * 4 + (3 * 16 + 2) * 4 / 8)
+
+
+@pytest.mark.slow  # 30 s: the fixture's prefill shapes at 1024 positions
+def test_deepseek_v4_reuses_a_prefix_where_its_state_was_saved():
+    """The tiny DeepSeek-V4 fixture (its cache keeps rings: the window and the compressors'
+    tails) with blocks of 256 positions: a 600-token prompt saves its state at 512, the end
+    of its last full block; a prompt that shares its first 530 tokens then starts from 512
+    (not from 256, whose end has no saved state), and its logits and first token are a cold
+    prefill's. A block size that splits the cache's rows is refused, naming it."""
+    import pathlib
+
+    from model.pretrained.registry import load_pretrained
+
+    folder = pathlib.Path(__file__).resolve().parent.parent / "fixtures" / "deepseek_v4" / "tiny"
+    net = load_pretrained(folder).model
+    with pytest.raises(ValueError, match=r"cache_block_tokens \(64\) must be a multiple of 256"):
+        Engine(net, max_context=1024, slots=1,
+               prefix_cache=PrefixCache(64, max_blocks=100, max_bytes=1 << 30))
+    engine = Engine(net, max_context=1024, slots=1, prefill_chunk=384,
+                    prefix_cache=PrefixCache(256, max_blocks=100, max_bytes=1 << 30))
+    rng = np.random.default_rng(0)
+    first = rng.integers(0, 512, 600)
+    second = np.concatenate([first[:530], rng.integers(0, 512, 40)])
+
+    def prefill(tokens):
+        state = engine.begin_prefill(tokens)
+        while not state.done:
+            engine.prefill_step(state)
+        token = engine.first_token(state, Sampling())
+        engine.cache_prompt(state)
+        return state.cache_hit_tokens, np.asarray(state.logits), token
+
+    assert prefill(first)[0] == 0
+    usage = engine.prefix_cache.usage()
+    assert usage["blocks"] == 2 and usage["state_bytes"] > 0
+    hit, warm, warm_token = prefill(second)
+    assert hit == 512
+    cold_logits, _ = model.ModelRunner(net).prefill(second, capacity=1024)
+    cold = np.asarray(cold_logits)
+    assert np.abs(warm - cold).max() / np.abs(cold).max() < 1e-4
+    assert warm_token == int(np.argmax(cold))
