@@ -114,7 +114,9 @@ def test_hierarchical_decoding_over_entries_equals_transformers_generate(tiny):
     assert list(ModelRunner(net).generate(tokens, 8)) == reference["generate_0"].tolist()
 
 
-@pytest.mark.parametrize("chunk", [7, pytest.param(20, marks=pytest.mark.slow)])
+# default-tier budget: chunks of 30 run in the default tier with hierarchical selection
+@pytest.mark.slow
+@pytest.mark.parametrize("chunk", [7, 20])
 def test_chunked_prefill_equals_transformers_across_windows(tiny, chunk):
     """Chunks of 7 (neither a multiple of the CSA ratio 4 nor of the HCA ratio 16: windows
     close inside chunks and continue across them) and 20 (the last chunk padded to 16 rows,
@@ -287,6 +289,7 @@ def test_every_layer_of_the_model_equals_transformers(tiny, prompt):
         assert err < 1e-4, f"layer {layer} ({model.config.v4.layer_types[layer]}): {err:.2e}"
 
 
+@pytest.mark.slow  # default-tier budget: the released FP8 / FP4 fixture covers the names
 def test_the_released_config_keys_and_tensor_names_load_the_same_model(tiny, tmp_path):
     """The fixture rewritten as the releases write it: config.json with compress_ratios per
     layer (and the HCA rate, 16 here, as compress_rate_hca), num_hash_layers,
