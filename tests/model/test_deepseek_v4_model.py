@@ -52,6 +52,7 @@ def test_the_folder_loads_as_three_attention_kinds_and_hash_routing(tiny):
         weights["model.layers.0.ffn.gate.tid2eid"])
 
 
+@pytest.mark.slow  # default-tier budget: the hierarchical test checks logits and sets
 def test_logits_and_every_csa_selection_equal_transformers(tiny):
     """Prompt 0 (90 tokens; the indexer chooses among more than index_topk entries on 71
     rows): logits within 1e-4 x max |logit| at every position, and each CSA layer's chosen
