@@ -125,10 +125,16 @@ class Selection:
     key_ratio: int = 1  # positions each key summarises (DeepSeek-V4's CSA entries)
 
 
+def entry_pairs(p0, T, cap, ratio):
+    """sum over positions p0 .. p0+T-1 of min(cap, (p + 1) // ratio): the keys that each
+    summarise `ratio` positions and are whole (ratio 1: min(cap, p + 1))."""
+    return visible_blocks(p0 - ratio + 1, T, cap, ratio)
+
+
 def key_pairs(s, p0, T, cap):
-    """sum over queries at p0 .. p0+T-1 of the keys each sees, at most cap: min(cap, p + 1),
-    or with key_ratio r the whole entries, min(cap, (p + 1) // r)."""
-    return visible_blocks(p0 - s.key_ratio + 1, T, cap, s.key_ratio)
+    """sum over queries at p0 .. p0+T-1 of the keys each sees, at most cap (entry_pairs
+    with the selection's key_ratio)."""
+    return entry_pairs(p0, T, cap, s.key_ratio)
 
 
 def block_pairs(s, p0, T, cap, B):

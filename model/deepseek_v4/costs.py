@@ -10,12 +10,7 @@ indexer.costs with key_ratio = 4) is model.costs' selection op, over kv_len // r
 One K = V head per layer: a key row is read once for both products.
 """
 
-from indexer.costs import F32, Op, visible_blocks, visible_keys
-
-
-def entry_pairs(p0, T, cap, ratio):
-    """sum over positions p0 .. p0+T-1 of min(cap, (p + 1) // ratio): whole entries seen."""
-    return visible_blocks(p0 - ratio + 1, T, cap, ratio)
+from indexer.costs import F32, Op, entry_pairs, visible_keys
 
 
 def v4_shape(config, kind):

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from indexer.costs import Selection, flat_ops, hierarchical_ops
+from indexer.costs import Selection, entry_pairs, flat_ops, hierarchical_ops
 from model import Transformer, get_config
 from model.costs import ATTENTION_COSTS, countable, parameter_count, prefill_counts
-from model.deepseek_v4.costs import entry_pairs, v4_attention_ops
+from model.deepseek_v4.costs import v4_attention_ops
 
 FLASH = get_config("deepseek-v4-flash")
 TINY_V4 = get_config("deepseek-v4-flash").replace(

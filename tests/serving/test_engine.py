@@ -34,6 +34,17 @@ def test_decode_batch_equals_one_decode_per_sequence(tiny):
         runner.decode_batch(np.array([3, 3]), slots, np.array([512, 0]))
 
 
+def _prefill(engine, tokens):
+    """A prompt through the engine as the scheduler runs it -> (cache hit tokens, last
+    logits, first token); its full blocks then go into the prefix cache."""
+    state = engine.begin_prefill(tokens)
+    while not state.done:
+        engine.prefill_step(state)
+    token = engine.first_token(state, Sampling())
+    engine.cache_prompt(state)
+    return state.cache_hit_tokens, np.asarray(state.logits), token
+
+
 @pytest.mark.parametrize("indexer_types", ["", "FS"])  # FS: layer 1 caches no index keys
 def test_prefill_from_the_prefix_cache_matches_a_cold_prefill(tiny, indexer_types):
     net = model.with_config(tiny, tiny.config.replace(indexer_types=indexer_types))
@@ -41,16 +52,8 @@ def test_prefill_from_the_prefix_cache_matches_a_cold_prefill(tiny, indexer_type
                     prefix_cache=PrefixCache(64, max_blocks=100, max_bytes=1 << 30))
     prompt = np.random.default_rng(0).integers(0, 256, 300)
 
-    def prefill(tokens):
-        state = engine.begin_prefill(tokens)
-        while not state.done:
-            engine.prefill_step(state)
-        token = engine.first_token(state, Sampling())
-        engine.cache_prompt(state)
-        return state.cache_hit_tokens, np.asarray(state.logits), token
-
-    cold_hit, cold, cold_token = prefill(prompt)
-    warm_hit, warm, warm_token = prefill(prompt)
+    cold_hit, cold, cold_token = _prefill(engine, prompt)
+    warm_hit, warm, warm_token = _prefill(engine, prompt)
     assert (cold_hit, warm_hit) == (0, 256)
     np.testing.assert_allclose(warm, cold, rtol=1e-5, atol=1e-5)
     assert warm_token == cold_token
@@ -85,18 +88,10 @@ def test_deepseek_v4_reuses_a_prefix_where_its_state_was_saved():
     first = rng.integers(0, 512, 600)
     second = np.concatenate([first[:530], rng.integers(0, 512, 40)])
 
-    def prefill(tokens):
-        state = engine.begin_prefill(tokens)
-        while not state.done:
-            engine.prefill_step(state)
-        token = engine.first_token(state, Sampling())
-        engine.cache_prompt(state)
-        return state.cache_hit_tokens, np.asarray(state.logits), token
-
-    assert prefill(first)[0] == 0
+    assert _prefill(engine, first)[0] == 0
     usage = engine.prefix_cache.usage()
     assert usage["blocks"] == 2 and usage["state_bytes"] > 0
-    hit, warm, warm_token = prefill(second)
+    hit, warm, warm_token = _prefill(engine, second)
     assert hit == 512
     cold_logits, _ = model.ModelRunner(net).prefill(second, capacity=1024)
     cold = np.asarray(cold_logits)
