@@ -27,11 +27,16 @@ Where the values come from:
   output in 8 groups of rank 1024, 256 experts of 2048 (6 routed + 1 shared per token,
   sqrtsoftplus, routed_scaling_factor 1.5, the first 3 layers hash-routed), vocab 129280,
   window 128, CSA ratio 4 and HCA ratio 128, indexer 64 heads x 128, top 512, hc_mult 4.
-  Not confirmed from the released config.json: the layer order. Issue #55 gives the counts
-  (2 sliding, 21 CSA, 20 HCA); here the two sliding layers come first and CSA / HCA
-  alternate from CSA (`compress_ratios` 0, 0, 4, 128, 4, ...); nor the compress table's YaRN
-  (factor 16 over 65536 here: shapes and costs do not depend on it). DeepSeek-V4-Pro is not a
-  preset: only its width (7168), layer counts (30 CSA, 31 HCA) and top 1024 are known here.
+  The layer order, `compress_ratios` 0, 0, 4, 128, 4, ..., 128, 4 (2 sliding, 21 CSA, 20
+  HCA; the released list has a 44th entry, 0, for the MTP layer dosa skips), and YaRN
+  factor 16 over 65536, as the released config.json reads where public code quotes it
+  (several independent copies agree).
+- DeepSeek-V4-Pro: the released config.json as public code quotes it (two independent
+  copies agree): hidden 7168, 61 layers, 128 heads of 512 (one K = V head, RoPE on 64),
+  q_lora 1536, output in 16 groups of rank 1024, 384 experts of 3072 (6 routed + 1 shared,
+  sqrtsoftplus, routed_scaling_factor 2.5, the first 3 layers hash-routed), indexer 64
+  heads x 128, top 1024, window 128, `compress_ratios` 128, 128, 4, 128, 4, ..., 128, 4 (30
+  CSA, 31 HCA, no sliding-only layer; a 62nd entry, 0, for the MTP layer).
 """
 
 V32_CONFIG = dict(
@@ -72,6 +77,13 @@ V4_FLASH_CONFIG = dict(
     rope_parameters=dict(rope_type="yarn", factor=16.0, original_max_position_embeddings=65536,
                          beta_fast=32, beta_slow=1))
 
+V4_PRO_CONFIG = dict(
+    V4_FLASH_CONFIG, hidden_size=7168, moe_intermediate_size=3072, num_hidden_layers=61,
+    num_attention_heads=128, q_lora_rank=1536, n_routed_experts=384,
+    routed_scaling_factor=2.5, compress_ratios=[128, 128] + [4 if i % 2 == 0 else 128
+                                                             for i in range(59)],
+    o_groups=16, index_topk=1024)
+
 # GLM-5.x's IndexCache schedule (ModelConfig.indexer_types): layers 0-2 full, then one full
 # layer in four (3, 7, 11, ...): 21 of 78 layers run an indexer.
 GLM5_SHARED_SCHEDULE = {"index_topk_freq": 4, "index_skip_topk_offset": 3}
@@ -87,10 +99,13 @@ RUN_FIELDS = dict(dtype="bfloat16", prefill_chunk=4096,
 V4_RUN_FIELDS = dict(dtype="bfloat16", prefill_chunk=4096,
                      hierarchical=dict(block_size=4, candidate_tokens=2048, query_tile=1,
                                        fine_batch_size=4096))
+V4_PRO_RUN_FIELDS = dict(V4_RUN_FIELDS, hierarchical=dict(V4_RUN_FIELDS["hierarchical"],
+                                                          candidate_tokens=4096))
 
 DSA_PRESETS = {"deepseek-v3.2": ("deepseek_v32", V32_CONFIG, RUN_FIELDS),
                "glm-5": ("glm_moe_dsa", GLM5_CONFIG, RUN_FIELDS),
-               "deepseek-v4-flash": ("deepseek_v4", V4_FLASH_CONFIG, V4_RUN_FIELDS)}
+               "deepseek-v4-flash": ("deepseek_v4", V4_FLASH_CONFIG, V4_RUN_FIELDS),
+               "deepseek-v4-pro": ("deepseek_v4", V4_PRO_CONFIG, V4_PRO_RUN_FIELDS)}
 
 
 def dsa_preset(name):

@@ -54,6 +54,7 @@ PRESETS = _Presets({
     "deepseek-v3.2": _dsa("deepseek-v3.2"),
     "glm-5": _dsa("glm-5"),
     "deepseek-v4-flash": _dsa("deepseek-v4-flash"),
+    "deepseek-v4-pro": _dsa("deepseek-v4-pro"),
 })
 
 

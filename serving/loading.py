@@ -15,7 +15,7 @@ log = logging.getLogger("serving.loading")
 @dataclasses.dataclass
 class LoadedModel:
     model: object  # model.Transformer with the serving config's switches applied
-    tokenizer: object  # encode / decode / bos_id / eos_id / chat_template / vocab_size
+    tokenizer: object  # encode / decode / bos_id / eos_id / chat_prompt / vocab_size
     model_id: str
     description: str
 

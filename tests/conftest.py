@@ -1,3 +1,4 @@
+import gc
 import os
 import pathlib
 
@@ -8,6 +9,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -25,3 +27,28 @@ def pytest_xdist_auto_num_workers(config):
     if "slow" in (config.getoption("markexpr") or "").replace("not slow", ""):
         return 0
     return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
+def _memory_maps() -> tuple[int, int]:
+    """(mappings this process holds, the kernel's limit `vm.max_map_count`), or (0, 0) off
+    Linux."""
+    try:
+        with open("/proc/self/maps", "rb") as maps, open("/proc/sys/vm/max_map_count") as limit:
+            return sum(1 for _ in maps), int(limit.read())
+    except OSError:
+        return 0, 0
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _bounded_memory_maps():
+    """Every compiled XLA:CPU program keeps a few memory mappings until jax drops it, and the
+    slow tier compiles thousands of programs in one process: past `vm.max_map_count` (65530
+    by default) an mmap inside XLA fails, and the process dies compiling or serialising
+    whatever program comes next (SIGSEGV or SIGABRT, docs/serving.md "Known issue"). After a
+    module, past 40% of the limit, jax's caches are dropped; programs later modules need are
+    compiled again (or read from the persistent cache)."""
+    yield
+    held, limit = _memory_maps()
+    if limit and held > 0.4 * limit:
+        jax.clear_caches()
+        gc.collect()

@@ -1,6 +1,7 @@
 """python -m experiments.costmodel [...]; python -m experiments.costmodel sharding [...]
 (sequence-parallel communication and scaling: experiments.costmodel.sharding);
-python -m experiments.costmodel v4 [...] (DeepSeek-V4-Flash: experiments.costmodel.v4)."""
+python -m experiments.costmodel v4 [...] (DeepSeek-V4-Flash and V4-Pro:
+experiments.costmodel.v4)."""
 
 import sys
 

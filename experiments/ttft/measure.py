@@ -182,26 +182,42 @@ def scored_share(config, length, positions):
     """The share of the visible keys the hierarchical stage scores exactly per query (its
     candidate blocks over the blocks it can see: indexer.config.hierarchical_plan's budget
     at the pass's key length), mean over the last `positions` queries and the hierarchical
-    layers; None when no layer selects hierarchically."""
-    layers = [i for i in range(config.n_layers)
-              if config.layer_is_sparse(i) and not config.layer_is_shared(i)
-              and config.layer_indexer(i) == "hierarchical"]
+    layers; None when no layer selects hierarchically. DeepSeek-V4: its CSA layers, whose
+    keys are compressed entries (one per csa_ratio positions, visible once complete)."""
+    if config.v4 is not None:
+        ratio = config.v4.csa_ratio
+        layers = ([i for i, kind in enumerate(config.v4.layer_types) if kind == "csa"]
+                  if config.indexer == "hierarchical" else [])
+    else:
+        ratio = 1
+        layers = [i for i in range(config.n_layers)
+                  if config.layer_is_sparse(i) and not config.layer_is_shared(i)
+                  and config.layer_indexer(i) == "hierarchical"]
     if not layers:
         return None
-    kv_len = length_bucket(length)
+    kv_len = length_bucket(length) // ratio
     pos = np.arange(length - positions, length)
     shares = []
     for i in layers:
         h = config.layer_settings(i)
         plan_ = hierarchical_plan(h, positions, kv_len, config.top_k, config.index_heads)
-        visible = pos // h.block_size + 1
+        visible = np.maximum(((pos + 1) // ratio - 1) // h.block_size + 1, 1)
         shares.append(np.mean(np.minimum(visible, plan_.n_cand) / visible))
     return float(np.mean(shares))
 
 
-def selection_overlap(config, reference, length):
+def selection_overlap(config, reference, length, own):
     """Recall and IoU (means over layers and the last P queries) of `config`'s selection
-    against the reference mode's, both on the reference pass's captured indexer inputs."""
+    against the reference mode's, both on the reference pass's captured indexer inputs.
+    DeepSeek-V4, whose CSA indexer scores compressed entries (its inputs are not captured):
+    the entries each mode's own pass selected (`own`: this mode's ModeRun), over the CSA
+    layers; the passes' hidden states differ by what earlier layers selected, so this
+    counts that drift too."""
+    if config.v4 is not None:
+        csa = [i for i, kind in enumerate(config.v4.layer_types) if kind == "csa"]
+        pairs = [(own.captured["indices"][i], reference.captured["indices"][i]) for i in csa]
+        return (float(np.mean([recall(s, r) for s, r in pairs])),
+                float(np.mean([iou(s, r) for s, r in pairs])))
     P = reference.captured["indices"].shape[1]
     other = selections_on_captured(config, reference.captured, reference.cache, length - P,
                                    length)

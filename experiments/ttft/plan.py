@@ -98,7 +98,10 @@ def plan_length(run, base_config, length, modes=None):
             skipped[spec.name] = f"max_length {spec.max_length}"
             continue
         config = spec.model_config(base_config)
-        capture = ("indexer", "indices") if spec.sparse else ()
+        # DeepSeek-V4's CSA indexer scores compressed entries: its passes capture only what
+        # they selected (measure.selection_overlap compares those).
+        capture = (() if not spec.sparse else ("indices",) if config.v4 is not None
+                   else ("indexer", "indices"))
         planned[spec.name] = (spec, Prefill(spec.name, config, length, capacity,
                                             logits_from=length - P, capture=capture,
                                             capture_from=length - P))

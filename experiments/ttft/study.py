@@ -161,7 +161,7 @@ def compare(run, runs, model_config, random_weights, tokens):
             row.update(top1_agreement=pair["agreement"], logit_kl=pair["kl_mean"])
             if spec.sparse:
                 row["recall"], row["iou"] = selection_overlap(
-                    spec.model_config(model_config), ref, row["context_len"])
+                    spec.model_config(model_config), ref, row["context_len"], mode_run)
         if dense is not None and mode_run is not dense:
             pair = pair_metrics(dense.tail_logprobs, mode_run.tail_logprobs)
             row.update(top1_agreement_vs_dense=pair["agreement"],

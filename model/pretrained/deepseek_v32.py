@@ -7,4 +7,4 @@ from model.pretrained.mla_moe import DSAFamily
 
 FAMILY = DSAFamily(model_type="deepseek_v32", architecture="DeepseekV32ForCausalLM",
                    index_rope_interleaved=False, reads_indexer_types=False,
-                   chat="none: the release formats chats with a Python encoder, not a template")
+                   chat_format=None)

@@ -226,5 +226,5 @@ def _transformers_names(config):
 
 FAMILY = DSAFamily(model_type="deepseek_v4", architecture="DeepseekV4ForCausalLM",
                    index_rope_interleaved=True, reads_indexer_types=False,
-                   chat="none yet: V4's chat encoding comes with its released folders (#55)",
+                   chat_format="deepseek_v4",
                    make_config=v4_config, tensor_map=v4_tensor_map)

@@ -7,4 +7,4 @@ from model.pretrained.mla_moe import DSAFamily
 
 FAMILY = DSAFamily(model_type="glm_moe_dsa", architecture="GlmMoeDsaForCausalLM",
                    index_rope_interleaved=True, reads_indexer_types=True,
-                   chat="the checkpoint's Jinja chat_template")
+                   chat_format="template")

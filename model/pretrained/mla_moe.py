@@ -29,6 +29,8 @@ class DSAFamily:
     """model_type: config.json's; architecture: its class name; index_rope_interleaved:
     the indexer's rotary dims hold interleaved pairs (GLM-5) or halves (V3.2);
     reads_indexer_types: config.json's indexer_types (GLM-5's shared layers).
+    chat_format: how chat prompts are rendered (model.pretrained.chat; None: completions
+    only).
     make_config, tensor_map: the family's own config.json reading and tensor names (None:
     this module's dsa_config and tensor_map, MLA + DeepSeekMoE)."""
 
@@ -36,7 +38,7 @@ class DSAFamily:
     architecture: str
     index_rope_interleaved: bool
     reads_indexer_types: bool
-    chat: str  # how chat prompts are formatted (docs/models.md)
+    chat_format: str | None  # model.pretrained.chat.CHAT_FORMATS entry; None: no chat
     make_config: Callable | None = None
     tensor_map: Callable | None = None
 

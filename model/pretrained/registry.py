@@ -17,6 +17,7 @@ import zipfile
 
 from model.checkpoint import attach_coarse_screen
 from model.memory import check_fits, device_memory_bytes
+from model.pretrained.chat import chat_format_of
 from model.pretrained.fp8 import block_size as fp8_block_size
 from model.pretrained.gguf_file import GGUFCheckpoint
 from model.pretrained.indexer_weights import (
@@ -247,6 +248,7 @@ def _load_dsa_family(checkpoint, path, *, dtype, indexer_dir, mesh=None, context
                                   names=checkpoint.names, mesh=mesh,
                                   read_fp8=checkpoint.read_fp8,
                                   tensors=family.tensors(config, checkpoint.names))
+    tokenizer = checkpoint.tokenizer(family.chat_format)
     info = dict(name=None, path=str(path), format="safetensors", family=family.model_type,
-                indexer="checkpoint", chat=family.chat)
-    return Pretrained(model, checkpoint.tokenizer(), info)
+                indexer="checkpoint", chat=chat_format_of(tokenizer))
+    return Pretrained(model, tokenizer, info)

@@ -197,7 +197,7 @@ class SafetensorsCheckpoint:
             self._headers[file] = fp8.read_header(file)
         return self._headers[file]
 
-    def tokenizer(self):
+    def tokenizer(self, chat_format=None):
         from model.pretrained.tokenizer import tokenizer_from_hf_folder
 
-        return tokenizer_from_hf_folder(self.path, self.config)
+        return tokenizer_from_hf_folder(self.path, self.config, chat_format)

@@ -12,15 +12,20 @@ CONTROL, USER_DEFINED = 3, 4
 
 
 class HFTokenizer:
-    """A `tokenizers.Tokenizer` with the checkpoint's BOS/EOS ids and chat template.
+    """A `tokenizers.Tokenizer` with the checkpoint's BOS/EOS ids and chat format.
     bos_id may be None (GLM-5 has none); eos_id is one id or a list (GLM-5 stops at any of
-    three): `eos_id` is the first, `stop_ids` all of them."""
+    three): `eos_id` is the first, `stop_ids` all of them. chat_format: the family's entry
+    of model.pretrained.chat.CHAT_FORMATS, or None: the chat template, if any."""
 
-    def __init__(self, tokenizer, *, bos_id, eos_id, chat_template=None, add_bos=False):
+    def __init__(self, tokenizer, *, bos_id, eos_id, chat_template=None, add_bos=False,
+                 chat_format=None):
+        from model.pretrained.chat import check_chat_format
+
         self.tokenizer = tokenizer
         eos = [int(e) for e in (eos_id if isinstance(eos_id, (list, tuple)) else [eos_id])]
         self.bos_id, self.eos_id, self.stop_ids = bos_id, eos[0], frozenset(eos)
         self.chat_template = chat_template
+        self.chat_format = check_chat_format(chat_format)
         self.add_bos = add_bos  # what the checkpoint asks for by default
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
@@ -45,7 +50,7 @@ class ByteTokenizer:
         self._byte = byte
         self.bos_id, self.eos_id, self.vocab_size = byte.BOS, byte.EOS, byte.VOCAB_SIZE
         self.stop_ids = frozenset({byte.EOS})
-        self.chat_template = None
+        self.chat_template = self.chat_format = None
         self.add_bos = True
 
     def encode(self, text, *, bos=None, eos=False):
@@ -96,7 +101,9 @@ def tokenizer_from_gguf_metadata(metadata, *, source):
                        add_bos=bool(metadata("tokenizer.ggml.add_bos_token", False)))
 
 
-def tokenizer_from_hf_folder(path, config):
+def tokenizer_from_hf_folder(path, config, chat_format=None):
+    """chat_format: the family's (model.pretrained.chat), where its checkpoints ship no
+    template; None: the folder's template, if any."""
     from tokenizers import Tokenizer
 
     path = pathlib.Path(path)
@@ -118,4 +125,5 @@ def tokenizer_from_hf_folder(path, config):
     bos = config.get("bos_token_id", 1)
     return HFTokenizer(tok, bos_id=None if bos is None else int(bos),
                        eos_id=config.get("eos_token_id", 2), chat_template=template,
-                       add_bos=bool(extra.get("add_bos_token", False)) and bos is not None)
+                       add_bos=bool(extra.get("add_bos_token", False)) and bos is not None,
+                       chat_format=chat_format)

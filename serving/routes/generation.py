@@ -1,5 +1,5 @@
 """What the generating endpoints share: a request's async side (`Generation`: its engine
-request, event queue and text), chat template rendering, routing to a rollout side,
+request, event queue and text), chat prompts, routing to a rollout side,
 admission, and answering whole or as a server-sent event stream. A client that goes away
 cancels its request (streaming: the response task is cancelled; otherwise a watcher polls
 for the disconnect), which frees its decode slot at the worker's next turn."""
@@ -22,33 +22,19 @@ from serving.text import TextStream
 log = logging.getLogger("serving.requests")
 
 
-def render_chat(tokenizer, model_id, messages):
-    """The prompt text of `messages` under the tokenizer's chat template (jinja2, sandboxed,
-    as Hugging Face renders it); 400 for a model without one."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
+def chat_prompt_ids(tokenizer, model_id, messages):
+    """The prompt ids of `messages` in the model's chat format (model.pretrained.chat); 400
+    naming what is wrong for a model without one or messages its format refuses."""
+    from model.pretrained.chat import ChatFormatError, chat_format_of
+    from model.pretrained.chat import chat_prompt_ids as render
+
+    if chat_format_of(tokenizer) is None:
         raise APIError(400, f"model {model_id!r} has no chat template; use /v1/completions "
                             "with a plain prompt", param="messages")
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    special = {}
-    for name, attr in (("bos_token", "bos_id"), ("eos_token", "eos_id")):
-        token_id = getattr(tokenizer, attr, None)
-        inner = getattr(tokenizer, "tokenizer", None)
-        special[name] = (inner.id_to_token(token_id)
-                         if inner is not None and token_id is not None else "")
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True,
-                                                **special)
-    except TemplateError as e:
-        raise APIError(400, f"the chat template rejected these messages: {e}",
-                       param="messages") from None
+        return render(tokenizer, messages)
+    except ChatFormatError as e:
+        raise APIError(400, str(e), param="messages") from None
 
 
 class Generation:
@@ -183,8 +169,7 @@ async def generate(service, request, body, arrival, *, chat):
         raise APIError(404, f"model {body.model!r} does not exist; this server serves "
                             f"{[service.model_id]}", param="model")
     if chat:
-        text = render_chat(tokenizer, service.model_id, body.conversation)
-        prompt_ids = tokenizer.encode(text, bos=None)
+        prompt_ids = chat_prompt_ids(tokenizer, service.model_id, body.conversation)
     elif isinstance(body.prompt, str):
         prompt_ids = tokenizer.encode(body.prompt, bos=None)
     else:

@@ -378,17 +378,22 @@ def test_reuse_and_streaming_predictions(tmp_path, capsys):
     assert e.value.code == 2 and "--reuse SF" in capsys.readouterr().err
 
 
-def test_the_v4_flash_table_counts_hierarchical_over_entries(tmp_path):
-    """`python -m experiments.costmodel v4` at 128K on 8 x H200: both block sizes, a
-    hierarchical TTFT below flat's and a smaller indexer share, the preset's parameters."""
+def test_the_v4_tables_count_hierarchical_over_entries(tmp_path):
+    """`python -m experiments.costmodel v4` at 128K on 8 x H200: V4-Flash and V4-Pro, both
+    block sizes, a hierarchical TTFT below flat's and a smaller indexer share, the presets'
+    parameters."""
     from experiments.costmodel import v4
 
     out = v4.main(["--lengths", "131072", "--hardware", "h200", "--out", str(tmp_path)])
-    assert round(out["model"]["parameters"] / 1e9, 1) == 284.3
-    assert [v["fixture_recall"] for v in out["variants"]] == [0.967, 0.891]
-    for variant in out["variants"]:
-        (row,) = variant["rows"]
-        assert row["hardware"] == "h200" and row["devices"] == 8 and row["length"] == 131072
-        assert row["hierarchical_ttft_s"] < row["flat_ttft_s"]
-        assert 0 < row["indexer_share_hierarchical"] < row["indexer_share_flat"] < 1
-    assert (tmp_path / "costmodel_v4.md").read_text().startswith("## DeepSeek-V4-Flash")
+    flash, pro = out["models"]
+    assert round(flash["parameters"] / 1e9, 1) == 284.3 and pro["preset"] == "deepseek-v4-pro"
+    for model in (flash, pro):
+        assert [v["fixture_recall"] for v in model["variants"]] == [0.967, 0.891]
+        for variant in model["variants"]:
+            (row,) = variant["rows"]
+            assert row["hardware"] == "h200" and row["devices"] == 8
+            assert row["length"] == 131072
+            assert row["hierarchical_ttft_s"] < row["flat_ttft_s"]
+            assert 0 < row["indexer_share_hierarchical"] < row["indexer_share_flat"] < 1
+    text = (tmp_path / "costmodel_v4.md").read_text()
+    assert text.startswith("## DeepSeek-V4-Flash") and "## DeepSeek-V4-Pro" in text

@@ -354,3 +354,25 @@ def test_the_default_config_runs_end_to_end_on_shortened_inputs(tmp_path):
     assert [c["context_len"] for c in results["summary"]["per_length"]] == [1088]
     assert results["projection"]["rows"]
     assert "Projection (the plot's right panel" in (tmp_path / "o" / "report.md").read_text()
+
+
+@pytest.mark.slow
+def test_a_deepseek_v4_folder_runs_the_study_over_its_entries(tmp_path):
+    """The main job on a DeepSeek-V4 folder (the tiny fixture): flat vs hierarchical
+    selection over the CSA layers' compressed entries (1024 tokens: 256 entries, blocks of
+    4, a budget of 64), the selections each pass captured compared over the CSA layers and
+    the scored share counted in entries."""
+    folder = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "deepseek_v4" / "tiny"
+    raw = {"model": {"pretrained": str(folder)}, "lengths": [1024], "repetitions": 1,
+           "fidelity_positions": 64, "decode_steps": 0, "split": False,
+           "modes": [{"name": "sparse-flat", "attention": "sparse", "indexer": "flat"},
+                     {"name": "sparse-hierarchical", "attention": "sparse",
+                      "indexer": "hierarchical",
+                      "hierarchical": {"block_size": 4, "candidate_tokens": 64,
+                                       "query_tile": 1}}]}
+    results = main_job.main(["--config", _config(tmp_path, raw), "--out", str(tmp_path / "o")])
+    hier = {r["mode"]: r for r in results["runs"]}["sparse-hierarchical"]
+    # 16 of the last query's 64 blocks, more of the earlier queries' fewer blocks.
+    assert 0.25 < hier["scored_share"] < 0.3
+    assert 0 < hier["recall"] <= 1 and 0 < hier["iou"] <= hier["recall"]
+    assert hier["top1_agreement"] is not None and hier["ttft_ms"]["min"] > 0

@@ -23,7 +23,8 @@ def test_the_deepseek_v4_flash_preset_is_its_published_size():
 
 
 def test_presets_are_valid():
-    assert set(PRESETS) >= {"tiny", "small", "deepseek-v3.2", "glm-5", "deepseek-v4-flash"}
+    assert set(PRESETS) >= {"tiny", "small", "deepseek-v3.2", "glm-5", "deepseek-v4-flash",
+                            "deepseek-v4-pro"}
     v32 = get_config("deepseek-v3.2")
     assert (v32.index_heads, v32.index_dim, v32.index_rope_dim, v32.top_k) == (64, 128, 64, 2048)
     # The real architecture (the loader's mapping of its config.json), not a GQA stand-in.
