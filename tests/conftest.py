@@ -19,6 +19,18 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_disable_most_optimizations", True)
 
 
+# Slow tests here run servers or several processes with timed expectations (a request
+# answered within seconds, a lost host noticed in time): CI runs them alone, the rest of the
+# slow tier on two workers (.ci/run).
+SERIAL_DIRS = ("serving", "sharding")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") and item.path.parent.name in SERIAL_DIRS:
+            item.add_marker(pytest.mark.serial)
+
+
 def pytest_xdist_auto_num_workers(config):
     """Workers for `-n auto` (pyproject's addopts): the default tier's tests are independent
     and mostly compile (one core each), so they run on up to 4 cores; the slow tier runs
