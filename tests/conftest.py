@@ -19,15 +19,18 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_disable_most_optimizations", True)
 
 
-# Slow tests here run servers or several processes with timed expectations (a request
+# Slow tests that run servers or groups of processes with timed expectations (a request
 # answered within seconds, a lost host noticed in time): CI runs them alone, the rest of the
 # slow tier on two workers (.ci/run).
-SERIAL_DIRS = ("serving", "sharding")
+SERIAL = ("tests/serving/", "tests/sharding/test_sharded_serving.py",
+          "tests/sharding/test_host_loss.py")
 
 
 def pytest_collection_modifyitems(config, items):
+    root = pathlib.Path(__file__).resolve().parent.parent
     for item in items:
-        if item.get_closest_marker("slow") and item.path.parent.name in SERIAL_DIRS:
+        where = item.path.relative_to(root).as_posix()
+        if item.get_closest_marker("slow") and where.startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
 
 

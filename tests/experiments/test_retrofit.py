@@ -139,6 +139,7 @@ def test_copy_rows_lie_inside_intact_copies_and_the_count_holds():
         WindowPlan(length=512, rows=4, copy_rows=-0.1)
 
 
+@pytest.mark.slow  # 5 s, the default tier's budget
 def test_teacher_cache_round_trip_and_a_new_key_empties_it(tmp_path):
     model = _model()
     tokens = np.random.default_rng(2).integers(0, 256, 48).astype(np.int32)

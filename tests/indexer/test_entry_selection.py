@@ -97,7 +97,8 @@ def test_hierarchical_with_a_budget_covering_every_entry_is_flat(T, L, top_k, q_
     assert_is_top_k(got, scores, top_k)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(query_tile=4, bound_blocks=1)])
+@pytest.mark.parametrize("kw", [dict(), pytest.param(dict(query_tile=4, bound_blocks=1),
+                                                      marks=pytest.mark.slow)])
 def test_hierarchical_within_a_budget_chooses_only_whole_entries(kw):
     """With fewer candidates than entries: never an entry whose window is not whole, never
     one twice, top_k of them wherever top_k are visible; the Pallas kernels (interpreted)

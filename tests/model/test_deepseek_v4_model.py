@@ -68,6 +68,7 @@ def test_logits_and_every_csa_selection_equal_transformers(tiny):
     assert (captured["indices"][0] == -1).all()  # the sliding layer selects nothing
 
 
+@pytest.mark.slow  # 9 s (hierarchical over entries alone: tests/indexer/test_entry_selection)
 def test_hierarchical_selection_over_entries_runs_in_the_model(tiny):
     """The CSA layers' selection through the hierarchical kind over compressed entries, in
     chunks of 30 (not a multiple of the ratio: entries are rewritten across chunks), with
@@ -331,6 +332,7 @@ def test_the_released_config_keys_and_tensor_names_load_the_same_model(tiny, tmp
 RELEASED = FIXTURE.parent / "released"
 
 
+@pytest.mark.slow  # 7 s (the formats alone: tests/model/test_fp8.py)
 def test_the_released_form_with_fp8_attention_and_fp4_experts_equals_transformers():
     """tests/fixtures/deepseek_v4/released: the fixture as the releases store it (released
     keys and names, two shards, FP8 e4m3 linears with ue8m0 `.scale` blocks of 128, FP4

@@ -49,6 +49,7 @@ def test_prefill_then_decode_equals_prefill_of_concatenation(exact):
         np.testing.assert_allclose(ref.summaries.max, fresh.max, rtol=1e-6)
 
 
+@pytest.mark.slow  # 6 s (chunked prefill's equality: tests/model/test_model.py)
 def test_chunked_prefill_equals_one_shot():
     runner = ModelRunner(_model(3, indexer="hierarchical"))
     toks = _tokens(5, 150)
