@@ -18,7 +18,8 @@ def _selected_scores(scores, indices):
     return np.sort(vals, axis=1)
 
 
-@pytest.mark.parametrize("cand_factor,covers_all", [(4, True), (1, False)])
+@pytest.mark.parametrize("cand_factor,covers_all",
+                         [(4, True), pytest.param(1, False, marks=pytest.mark.slow)])
 def test_hierarchical_pipeline_is_flat_iff_candidates_cover_every_block(cand_factor,
                                                                        covers_all):
     """L=64 keys in 4 blocks of 16, top_k=16: a budget of 4 x 16 tokens covers every block,

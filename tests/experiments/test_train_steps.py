@@ -94,7 +94,9 @@ def test_kl_loss_trains_the_indexer_only_and_needs_dense_attention(tiny):
         ts.indexer_kl_loss(sparse, batch)
 
 
-@pytest.mark.parametrize("stage", ts.STAGES)
+# dense_long trains what dense does, on longer windows: the slow tier (default-tier budget).
+@pytest.mark.parametrize("stage", [pytest.param(s, marks=pytest.mark.slow)
+                                   if s == "dense_long" else s for s in ts.STAGES])
 def test_one_step_lowers_the_loss_and_trains_only_its_params(tiny, stage):
     graphdef, main, idx, rest = ts.split_model(tiny)
     trainable, frozen = ts.trainable_of(stage, main, idx)

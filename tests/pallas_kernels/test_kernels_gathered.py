@@ -32,7 +32,8 @@ CASES = [
     # blocks larger than the column tile: each program reads a slice of one block
     pytest.param(2, 64, 2, 3, 64, 200, 100, jnp.bfloat16, GatheredScoresConfig(32, 32),
                  id="B64-slices-bf16"),
-    pytest.param(3, 128, 2, 6, 64, 1000, 700, jnp.float32, None, id="default-config"),
+    pytest.param(3, 128, 2, 6, 64, 1000, 700, jnp.float32, None, id="default-config",
+                 marks=pytest.mark.slow),  # default-tier budget
 ]
 
 

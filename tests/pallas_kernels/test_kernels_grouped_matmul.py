@@ -48,7 +48,7 @@ def _assert_close(out, ref, rtol):
 @pytest.mark.parametrize("seed,M,K,N,G,foreign", [
     (0, 100, 72, 40, 5, 0),     # nothing is a tile multiple
     (1, 77, 33, 20, 8, 13),     # rows past the groups (experts held elsewhere)
-    (2, 64, 16, 16, 3, 0),      # exact tiles
+    pytest.param(2, 64, 16, 16, 3, 0, marks=pytest.mark.slow),  # exact tiles (budget)
 ])
 def test_kernel_equals_ragged_dot(seed, M, K, N, G, foreign):
     rng = np.random.default_rng(seed)

@@ -46,7 +46,7 @@ def test_gqa_ragged_dims_scattered_minus_one():
     assert not np.asarray(out[1]).any()  # nothing selected -> zeros
 
 
-@pytest.mark.parametrize("skip_empty", [False, True])
+@pytest.mark.parametrize("skip_empty", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_selector_format_bf16(skip_empty):
     """Trailing -1 padding (rows with 1..K valid entries and one with none), MQA, bf16."""
     T, L, K = 12, 300, 100
@@ -85,7 +85,8 @@ def test_api_dispatch():
     check(interp, xla, jnp.float32)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32,
+                                   pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_masked_dense_form_equals_the_gather(dtype):
     """The xla backend's masked form (a large share of the keys selected): same outputs as
     the gathering reference, indices in any order, repeated, -1 anywhere, one empty row."""
