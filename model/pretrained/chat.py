@@ -22,8 +22,6 @@ class TemplateChat:
     """The checkpoint's Jinja template. Its text is encoded with the checkpoint's BOS
     default, as dosa always has (GLM-5 has no BOS, SmolLM2 adds none)."""
 
-    description = "the checkpoint's Jinja chat_template"
-
     def __init__(self, tokenizer):
         from jinja2.exceptions import TemplateError
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -56,7 +54,6 @@ class TemplateChat:
 class DeepseekV4Chat:
     """DeepSeek-V4's encoder (deepseek-recipe) over the checkpoint's own tokenizer.json."""
 
-    description = "DeepSeek-V4's encoder (the deepseek-recipe package), chat mode"
     # The library knows V4 by its API model names; V4-Flash and V4-Pro share the encoding.
     RECIPE_MODEL = "DeepSeek-V4-Pro"
 
