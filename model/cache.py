@@ -58,15 +58,20 @@ def layer_fields(config, layer):
 @jax.tree_util.register_pytree_with_keys_class
 class LayerCache:
     """One layer's cache: named arrays (`field`), read as attributes (cache.k, cache.k_index).
-    A pytree (jit, donation, tree.map, shardings); pure updates return a new one."""
+    A pytree (jit, donation, tree.map, shardings); pure updates return a new one.
 
-    __slots__ = ("fields",)
+    pages: None, or (a paged decode step's view, model.paged_cache.PageMap) where the
+    layer's per-token kv rows are read: then its kv fields hold only the step's new rows,
+    and token_rows / the sparse read go through the map."""
 
-    def __init__(self, fields):
+    __slots__ = ("fields", "pages")
+
+    def __init__(self, fields, pages=None):
         object.__setattr__(self, "fields", dict(fields))
+        object.__setattr__(self, "pages", pages)
 
     def __getattr__(self, name):
-        if name == "fields":  # not set yet (copy, unpickling)
+        if name in ("fields", "pages"):  # not set yet (copy, unpickling)
             raise AttributeError(name)
         try:
             return self.fields[name]
@@ -101,15 +106,19 @@ class LayerCache:
         if unknown:
             raise ValueError(f"LayerCache.replace: unknown fields {unknown}; this layer holds "
                              f"{sorted(self.fields)}")
-        return LayerCache({**self.fields, **arrays})
+        return LayerCache({**self.fields, **arrays}, self.pages)
 
     def tree_flatten_with_keys(self):
-        return ([(jax.tree_util.DictKey(k), v) for k, v in self.fields.items()],
-                tuple(self.fields))
+        children = [(jax.tree_util.DictKey(k), v) for k, v in self.fields.items()]
+        if self.pages is not None:
+            children.append((jax.tree_util.GetAttrKey("pages"), self.pages))
+        return children, (tuple(self.fields), self.pages is not None)
 
     @classmethod
-    def tree_unflatten(cls, names, values):
-        return cls(dict(zip(names, values)))
+    def tree_unflatten(cls, aux, values):
+        names, paged = aux
+        values = list(values)
+        return cls(dict(zip(names, values)), values[len(names)] if paged else None)
 
 
 def _rows(name, length, config):
@@ -159,6 +168,8 @@ def part_copy(cache, part):
 
 def token_rows(cache, names, kv_len=None):
     """{name: rows [0, kv_len)} of a layer's per-token fields `names` (None: every row)."""
+    if cache.pages is not None:
+        return cache.pages.rows(cache.fields, names, kv_len)
     return {name: cache.fields[name][:kv_len] for name in names}
 
 
@@ -169,10 +180,22 @@ def write_rows(array, new, start):
     return jax.lax.dynamic_update_slice_in_dim(array, new.astype(array.dtype), start, 0)
 
 
+def overlay_rows(array, new, start):
+    """write_rows as a select over every row: an expression XLA fuses into what reads it
+    (a gathered view stays a gather of the pages) rather than an update of a copy."""
+    offset = jnp.arange(array.shape[0]) - start
+    inside = (offset >= 0) & (offset < new.shape[0])
+    rows = jnp.take(new.astype(array.dtype), jnp.clip(offset, 0, new.shape[0] - 1), axis=0)
+    return jnp.where(inside.reshape(-1, *(1,) * (array.ndim - 1)), rows, array)
+
+
 def write_index(cache, k_index, start, *, block_size, n_valid=None):
     """The layer's indexer keys k_index [T, d_I] written at start.., and their block
     summaries extended (only the first n_valid rows are real tokens: default T)."""
-    keys = write_rows(cache.k_index, k_index, start)
+    if cache.pages is None:
+        keys = write_rows(cache.k_index, k_index, start)
+    else:  # a paged view: a select, so its readers gather from the pages themselves
+        keys = overlay_rows(cache.k_index, k_index, start)
     summaries = append_summaries(cache.summaries, k_index, start, block_size=block_size,
                                  n_valid=n_valid, keys=keys)
     return cache.replace(k_index=keys, **summaries._asdict())

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model import sharding
+from model import paged_cache, sharding
 from model.buckets import cache_positions, chunk_plan, length_bucket
 from model.cache import cache_capacity, cache_shapes, init_cache, init_sharded_cache
 from model.sampling import sample_token, validate_sampling
@@ -45,12 +45,9 @@ def _replicated(mesh, tree):
     return jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, whole), tree)
 
 
-@functools.partial(jax.jit, static_argnames=("kv_len", "all_logits", "capture", "graphdef",
-                                             "mesh", "parallel"),
-                   donate_argnames=("cache",))
-def _step(state, tokens, cache, start, kv_len, n_valid, all_logits, capture, *, graphdef,
-          mesh, parallel):
-    """One prefill chunk or decode step of the model (graphdef, state)."""
+def _model_step(state, tokens, cache, start, kv_len, n_valid, all_logits, capture, *, graphdef,
+                mesh, parallel):
+    """One prefill chunk or decode step of the model (graphdef, state); jitted as _step."""
     model = nnx.merge(graphdef, state)
     tokens = _constrain_tokens(mesh, tokens)
     # Rows past n_valid are padding: kept out of the block summaries. The mesh is the
@@ -68,6 +65,11 @@ def _step(state, tokens, cache, start, kv_len, n_valid, all_logits, capture, *, 
     return _replicated(mesh, logits), cache, _replicated(mesh, captured)
 
 
+_step = jax.jit(_model_step, static_argnames=("kv_len", "all_logits", "capture", "graphdef",
+                                              "mesh", "parallel"),
+                donate_argnames=("cache",))
+
+
 @functools.partial(jax.jit, static_argnames=("kv_len", "graphdef", "mesh", "parallel"),
                    donate_argnames=("caches",))
 def _batch_step(state, tokens, caches, positions, *, kv_len, graphdef, mesh, parallel):
@@ -78,6 +80,29 @@ def _batch_step(state, tokens, caches, positions, *, kv_len, graphdef, mesh, par
         return logits, cache
 
     return jax.vmap(one)(tokens, caches, positions)
+
+
+@functools.partial(jax.jit, static_argnames=("kv_len", "page_tokens", "config", "graphdef",
+                                             "mesh", "parallel"),
+                   donate_argnames=("pool",))
+def _paged_batch_step(state, tokens, pool, tables, positions, slots, *, kv_len, page_tokens,
+                      config, graphdef, mesh, parallel):
+    """One decode step for a batch of sequences whose caches are pages of one pool
+    (model.paged_cache): each reads its pages through its block table, runs the step, and
+    only the rows it wrote go back to the pool."""
+    def one(token, table, position, own):
+        view = paged_cache.gather_view(pool, table, own, position, kv_len, page_tokens, config)
+        logits, view, _ = _model_step(state, token[None], view, position, kv_len, 1, False,
+                                      (), graphdef=graphdef, mesh=mesh, parallel=parallel)
+        return logits, paged_cache.touched_rows(view, position, config)
+
+    logits, rows = jax.vmap(one)(tokens, tables, positions,
+                                 paged_cache.slot_state(pool, slots))
+    # The rows go back once every read of the pool is done (the barrier ties them to the
+    # logits), so the pool is updated in place, not copied for the step's reads.
+    logits, rows = jax.lax.optimization_barrier((logits, rows))
+    return logits, paged_cache.scatter_rows(pool, rows, tables, positions, slots, page_tokens,
+                                            config)
 
 
 @functools.partial(jax.jit, static_argnames=("size",))
@@ -364,6 +389,26 @@ class ModelRunner:
         (serving's decode slots; one sequence's cache is `jax.tree.map(lambda a: a[i], c)`)."""
         one = self.new_cache(capacity)
         return jax.tree.map(lambda a: jnp.broadcast_to(a, (batch, *a.shape)).copy(), one)
+
+    def decode_paged(self, tokens, pool, tables, positions, slots, *, page_tokens):
+        """One decode step for a batch of sequences whose caches are pages of `pool`
+        (model.paged_cache; donated): tokens i32[B], block tables i32[B, max_pages],
+        positions i32[B], state rows slots i32[B]. -> (logits f32[B, V], pool). Keys are
+        read up to length_bucket(max(positions) + 1), as decode_batch."""
+        if self.mesh is not None:
+            raise ValueError("a paged cache runs on one device (serving's cache_layout: "
+                             "slots on a mesh)")
+        positions = np.asarray(positions, dtype=np.int32)
+        tables = np.asarray(tables, dtype=np.int32)
+        cap = tables.shape[1] * page_tokens
+        if positions.max(initial=0) >= cap or positions.min(initial=0) < 0:
+            raise ValueError(f"block tables hold {cap} positions, decode at positions "
+                             f"{positions.tolist()}")
+        kv_len = min(cap, length_bucket(int(positions.max(initial=0)) + 1))
+        return _paged_batch_step(self.state, jnp.asarray(tokens, jnp.int32), pool,
+                                 jnp.asarray(tables), jnp.asarray(positions),
+                                 jnp.asarray(slots, jnp.int32), kv_len=kv_len,
+                                 page_tokens=page_tokens, config=self.config, **self._static)
 
     def decode_batch(self, tokens, caches, positions):
         """One decode step for a batch of sequences in one jitted call (vmap over the batch).

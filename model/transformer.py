@@ -170,7 +170,9 @@ class DecoderBlock(nnx.Module):
                              "dense attention and runs on one device only (no sequence axis)")
         q, rows, index_query = self.attn.project(h, positions)
         names = tuple(rows)
-        if parallel is None:
+        if cache.pages is not None:  # a paged view: the new rows go back after the step
+            cache = cache.replace(**rows)
+        elif parallel is None:
             cache = cache.replace(**{n: write_rows(cache.fields[n], r, start)
                                      for n, r in rows.items()})
         else:  # the cache is split over positions: each shard writes its own rows
@@ -201,7 +203,11 @@ class DecoderBlock(nnx.Module):
             captured["indexer_input"] = source
         scale = self.attn.scale
         if config.layer_is_sparse(self.layer):
-            if parallel is None:
+            if cache.pages is not None and not oracle:  # only the selected rows, by page
+                selected, local = cache.pages.selected(cache.fields, names, indices)
+                keys, values = self.attn.read(selected)
+                out = pallas_kernels.sparse_attention(q, keys, values, local, scale=scale)
+            elif parallel is None:
                 keys, values = self.attn.read(token_rows(cache, names, kv_len))
                 if oracle and self.indexer is not None:
                     # The oracle ranks this layer's own dense attention (its output unused).

@@ -11,7 +11,7 @@ serving` reads it before JAX starts (GPU_UTILIZATION must be in the environment 
 """
 
 import pathlib
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic
 import yaml
@@ -285,7 +285,17 @@ class ServingConfig(SelectionSwitches):
       cache_bytes: its byte budget; LRU evicts past either. 0 disables the cache.
     max_context: the longest prompt + max_tokens served (clamped to the model's max_seq_len).
     queue_size: the admission limit, running plus waiting requests; past it, 503.
-    decode_slots: requests decoded together in one batched step.
+    cache_layout: "paged" (one pool of pages of cache_block_tokens positions, shared by
+      every running request: a request holds the pages its prompt + max_tokens need, a
+      cached prompt prefix's pages are shared by reference; one device only), "slots"
+      (decode_slots caches of max_context positions each, prefix hits copied from host
+      memory; the layout of a mesh and of several processes) or "auto" (paged on one
+      device, slots on a mesh). docs/serving.md: sizing the pool.
+    max_running: paged: the most requests decoded together in one batched step.
+    cache_pool_bytes: paged: the pool's bytes (None: gpu_utilization's share of the device
+      memory left after the weights where the device reports it, else decode_slots x
+      max_context positions: the slot layout's memory).
+    decode_slots: slots: requests decoded together in one batched step.
     prefill_chunk: prompt tokens prefilled between two decode steps (None: the model's).
     batching_window_ms: how long an idle engine waits for more requests to fill a batch.
     request_timeout_s: a request still running after this gets 504 and its work stops.
@@ -320,6 +330,10 @@ class ServingConfig(SelectionSwitches):
     max_context: _int(16) = 32768
     queue_size: _int(1) = 64
     decode_slots: _int(1, 1024) = 4
+    cache_layout: Annotated[Literal["auto", "paged", "slots"],
+                            _Allowed("one of 'auto', 'paged', 'slots'")] = "auto"
+    max_running: _int(1, 4096) = 64
+    cache_pool_bytes: _int(1, optional=True) = None
     prefill_chunk: _int(1, optional=True) = None
     batching_window_ms: _number(0.0, 10_000.0) = 2.0
     request_timeout_s: _number(0.0, 86_400.0, lo_open=True) = 600.0

@@ -74,6 +74,8 @@ class Prefill:
     shadow: list = dataclasses.field(default_factory=list)  # ShadowRecords of watched chunks
     # a stateful model's state (model.cache.take_state, host) at its last full block's end
     snapshot: list | None = None
+    pages: list | None = None  # a paged engine's: the pages this request holds,
+    shared_pages: int = 0  # the first of them held by reference (a cached prefix)
 
     @property
     def done(self):

@@ -95,6 +95,37 @@ def selection_summary(config):
     return out
 
 
+def cache_layout(cfg, mesh):
+    """"paged" or "slots": the config's cache_layout ("auto": paged on one device). ValueError
+    for paged on a mesh (the pool is one device's)."""
+    if cfg.cache_layout == "auto":
+        return "paged" if mesh is None else "slots"
+    if cfg.cache_layout == "paged" and mesh is not None:
+        raise ValueError("serving config: cache_layout 'paged' runs on one device; a mesh "
+                         "(--mesh, several processes) serves with 'slots' or 'auto'")
+    return cfg.cache_layout
+
+
+def pool_pages(cfg, model_config, max_context, slots):
+    """Pages of the paged cache: cache_pool_bytes' worth; else gpu_utilization's share of
+    the device memory the weights left, where the device reports it (GPUs); else the slot
+    layout's memory, `slots` caches of max_context positions."""
+    import jax
+
+    from model.buckets import length_bucket
+    from model.paged_cache import RESERVED_PAGES, page_bytes
+    per_page = page_bytes(model_config, cfg.cache_block_tokens)
+    if cfg.cache_pool_bytes is not None:
+        return max(RESERVED_PAGES + 1, cfg.cache_pool_bytes // per_page)
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        # a workspace of max_context positions and the steps' activations come out of it too
+        left = stats["bytes_limit"] * cfg.gpu_utilization - stats.get("bytes_in_use", 0)
+        workspace = per_page * length_bucket(max_context) // cfg.cache_block_tokens
+        return max(RESERVED_PAGES + 1, int(0.8 * (left - 2 * workspace)) // per_page)
+    return RESERVED_PAGES + slots * length_bucket(max_context) // cfg.cache_block_tokens
+
+
 def build_engines(cfg, mesh=None, *, loader=None):
     """Loads the model, builds its Engines (on `mesh`) and warms them up -> (engines,
     loaded, max_context). engines[0] runs the main config; with a `canary:` block,
@@ -104,6 +135,7 @@ def build_engines(cfg, mesh=None, *, loader=None):
     are collectives on a mesh that spans processes."""
     from model import with_config
     from serving.engine import Engine
+    from serving.paged_engine import PagedEngine
     from serving.prefix_cache import PrefixCache
     from serving.shadow import ShadowSampler
 
@@ -132,9 +164,18 @@ def build_engines(cfg, mesh=None, *, loader=None):
                             max_bytes=cfg.cache_bytes)
         shadow = ShadowSampler(rate, cfg.shadow_rows, cfg.shadow_max_seconds_per_s,
                                seed=index)
-        engine = Engine(net, max_context=max_context, slots=slots,
-                        prefill_chunk=cfg.prefill_chunk, prefix_cache=cache, mesh=mesh,
-                        shadow=shadow)
+        if cache_layout(cfg, mesh) == "paged":
+            page_tokens = cfg.cache_block_tokens
+            engine = PagedEngine(net, max_context=max_context, max_running=cfg.max_running,
+                                 pool_pages=pool_pages(cfg, net.config, max_context, slots),
+                                 page_tokens=page_tokens, prefill_chunk=cfg.prefill_chunk,
+                                 cache_prefixes=cfg.cache_size > 0, shadow=shadow)
+            log.info("paged cache: %d pages of %d positions, at most %d requests decoding",
+                     engine.pages.n_pages, page_tokens, cfg.max_running)
+        else:
+            engine = Engine(net, max_context=max_context, slots=slots,
+                            prefill_chunk=cfg.prefill_chunk, prefix_cache=cache, mesh=mesh,
+                            shadow=shadow)
         t0 = time.perf_counter()
         buckets = engine.warmup(min(warm, max_context))
         log.info("warm-up of %s: compiled %d key-length buckets up to %d tokens in %.1f s%s%s",

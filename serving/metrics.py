@@ -101,6 +101,11 @@ class Metrics:
         self.cache_blocks = prom.Gauge(
             "dosa_prefix_cache_blocks", "Blocks held by the prefix cache.", by_version,
             registry=reg)
+        self.cache_pages = prom.Gauge(
+            "dosa_cache_pages", "Pages of the paged cache (cache_layout: paged), by state: "
+            "in_use (held by a running request), shared (held by more than one: a cached "
+            "prompt prefix), cached (held by none, kept for later prompts), free.",
+            ["model_version", "state"], registry=reg)
         self.running = prom.Gauge(
             "dosa_num_requests_running", "Requests prefilling or decoding.", by_version,
             registry=reg)
@@ -184,6 +189,11 @@ class Metrics:
             self.cache_bytes.labels(part=part, **self.labels).set(usage[f"{part}_bytes"])
             self.cache_bytes_per_token.labels(part=part, **self.labels).set(
                 usage[f"{part}_bytes_per_token"])
+
+    def set_page_counts(self, counts):
+        """A PagePool's counts (serving.page_pool.PagePool.counts)."""
+        for state, n in counts.items():
+            self.cache_pages.labels(state=state, **self.labels).set(n)
 
     def finished(self, status):
         self.requests.labels(status=str(status), **self.labels).inc()

@@ -174,10 +174,17 @@ class Scheduler:
     def _turn(self):
         self._drop_cancelled()
         if self.prefilling is None:
-            # The first waiting request whose engine has a free slot (sides do not block
-            # each other).
+            # The first waiting request whose engine has a free slot and room for its cache
+            # (sides do not block each other; within a side, first come first served: a
+            # request that waits for pages is not passed by later, smaller ones).
+            blocked = set()
             for request in self.waiting:
+                if request.variant in blocked:
+                    continue
                 free = self._free_slots(request.variant)
+                if free and not self._fits(request):
+                    blocked.add(request.variant)
+                    continue
                 if free:
                     self.waiting.remove(request)
                     self._guarded([request], self._begin_prefill, request,
@@ -189,6 +196,20 @@ class Scheduler:
         for variant in sorted({v for v, _ in self.running}):
             requests = [r for (v, _), r in self.running.items() if v == variant]
             self._guarded(requests, self._decode, variant)
+
+    def _fits(self, request):
+        """Whether the request's engine has the memory to start it now: an engine that
+        admits by pages (serving.paged_engine) says so; slot engines always do."""
+        fits = getattr(self.engines[request.variant], "fits", None)
+        return fits is None or fits(request.prompt, request.max_tokens)
+
+    def _release(self, request, state=None, slot=None):
+        """Gives back what a paged engine holds for the request (its pages)."""
+        engine = self.engines[request.variant]
+        if state is not None and hasattr(engine, "discard"):
+            engine.discard(state)
+        if slot is not None and hasattr(engine, "release"):
+            engine.release(slot[1])
 
     def _m(self, request):
         return self.metrics_of[request.variant]
@@ -230,7 +251,10 @@ class Scheduler:
         if metrics is not None:
             metrics.queue_time.labels(**metrics.labels).observe(
                 request.prefill_start - request.arrival)
-        state = engine.begin_prefill(request.prompt)
+        if hasattr(engine, "fits"):  # it reserves the pages of prompt + max_tokens
+            state = engine.begin_prefill(request.prompt, request.max_tokens)
+        else:
+            state = engine.begin_prefill(request.prompt)
         request.cache_hit_tokens = state.cache_hit_tokens
         if metrics is not None:
             metrics.observe_cache_lookup(len(request.prompt), state.cache_hit_tokens)
@@ -261,6 +285,8 @@ class Scheduler:
         if goes_on:
             engine.insert(slot[1], state)
             self.running[slot] = request
+        else:
+            self._release(request, state=state)
 
     def _record_step(self, request, state, seconds_before):
         """The prefill seconds of the step just run, and its shadow records, if any."""
@@ -311,10 +337,12 @@ class Scheduler:
         if request in self.waiting:
             self.waiting.remove(request)
         if self.prefilling is not None and self.prefilling[0] is request:
+            self._release(request, state=self.prefilling[1])
             self.prefilling = None  # its cache is dropped with the Prefill
         for slot, r in list(self.running.items()):
             if r is request:
                 del self.running[slot]
+                self._release(request, slot=slot)
         now = time.perf_counter()
         if error is not None:
             request.finish_reason = "error"
@@ -345,6 +373,9 @@ class Scheduler:
         for variant, metrics in enumerate(self.metrics_of):
             running = sum(v == variant for v, _ in self.running) + (prefilling == variant)
             metrics.running.labels(**metrics.labels).set(running)
+            counts = getattr(self.engines[variant], "page_counts", None)
+            if counts is not None:
+                metrics.set_page_counts(counts())
             metrics.waiting.labels(**metrics.labels).set(
                 sum(r.variant == variant for r in waiting))
 

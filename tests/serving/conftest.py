@@ -66,7 +66,7 @@ class RunningServer:
 
 
 def test_config(**changes):
-    values = dict(model="tiny", max_context=512, decode_slots=2, queue_size=2,
+    values = dict(model="tiny", max_context=512, decode_slots=2, max_running=4, queue_size=2,
                   cache_block_tokens=64, api_key=API_KEY, batching_window_ms=0.0,
                   warmup_max_context=256, request_timeout_s=60.0)
     values.update(changes)

@@ -125,3 +125,54 @@ def test_stop_token_ends_the_request_without_sending_it():
     finally:
         scheduler.stop()
     assert [e.kind for e in events] == ["done"] and events[0].finish_reason == "stop"
+
+
+class PagedFakeEngine(FakeEngine):
+    """Admits by memory as serving.paged_engine does: a request holds len(prompt) +
+    max_tokens units from its start to its end."""
+
+    n_slots = 4
+
+    def __init__(self, units):
+        super().__init__()
+        self.units, self.held = units, {}
+
+    def fits(self, tokens, max_tokens):
+        return len(tokens) + max_tokens <= self.units
+
+    def begin_prefill(self, tokens, max_tokens):
+        self.units -= len(tokens) + max_tokens
+        self.calls.append(("start", len(tokens)))
+        state = super().begin_prefill(tokens)
+        state.pages = len(tokens) + max_tokens
+        return state
+
+    def insert(self, slot, state):
+        super().insert(slot, state)
+        self.held[slot] = state.pages
+
+    def discard(self, state):
+        self.units += state.pages
+
+    def release(self, slot):
+        self.units += self.held.pop(slot)
+
+
+def test_requests_wait_for_memory_first_come_first_served_and_give_it_back():
+    engine = PagedFakeEngine(units=20)
+    scheduler = run_scheduler(engine)
+    try:
+        done = []
+        for name, prompt, max_tokens in (("a", 8, 6), ("big", 12, 6), ("small", 2, 2)):
+            events, finished, deliver = collect()
+            scheduler.submit(Request(name, np.arange(prompt), max_tokens, deliver))
+            done.append(finished)
+        for finished in done:
+            assert finished.wait(10)
+    finally:
+        scheduler.stop()
+    starts = [c for c in engine.calls if c[0] == "start"]
+    # "big" (18 units) waits for "a" (14 of 20) to end; "small" (4) would fit beside "a"
+    # but does not pass "big"
+    assert starts == [("start", 8), ("start", 12), ("start", 2)]
+    assert engine.units == 20 and not engine.held
