@@ -78,7 +78,9 @@ def serve_and_ask(mesh):
     try:
         out = http_requests(running.url, API_KEY)
         out["direct"] = generate_direct(service, [PROMPT_C, PROMPT_D, PROMPT_A])
-        out["slot_k_sharding"] = str(getattr(service.engine.slots[0].k.sharding, "spec", None))
+        if mesh is not None:  # one device serves from the paged cache (cache_layout auto)
+            out["slot_k_sharding"] = str(getattr(service.engine.slots[0].k.sharding, "spec",
+                                                 None))
     finally:
         running.stop()
     return out
