@@ -68,27 +68,11 @@ def init_pool(config, n_pages, page_tokens, n_slots):
     return out
 
 
-def pool_pages(pool, config, page_tokens):
-    """Pages of a pool (its first growing field's rows / rows per page)."""
-    for layer in pool:
-        for name, array in layer.fields.items():
-            if not field(name).is_state:
-                return array.shape[0] // rows_per_page(name, page_tokens, config)
-    raise ValueError("this pool holds no field that grows with the positions")
-
-
 def page_bytes(config, page_tokens):
     """Bytes of one page over every layer (what a request's P positions hold)."""
     shapes = jax.eval_shape(lambda: init_cache(config, page_tokens))
     return sum(int(s.size) * s.dtype.itemsize for layer in shapes
                for name, s in layer.fields.items() if not field(name).is_state)
-
-
-def slot_state_bytes(config):
-    """Bytes of one request slot's state fields (0 without state fields)."""
-    shapes = jax.eval_shape(lambda: init_cache(config, 1))
-    return sum(int(s.size) * s.dtype.itemsize for layer in shapes
-               for name, s in layer.fields.items() if field(name).is_state)
 
 
 def _paged(array, rpp):

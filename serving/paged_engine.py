@@ -39,11 +39,6 @@ def batch_buckets(max_running):
     return sizes
 
 
-def pool_pages_for(config, page_tokens, pool_bytes):
-    """Pages (the reserved two included) that `pool_bytes` holds."""
-    return int(pool_bytes // paged_cache.page_bytes(config, page_tokens))
-
-
 class PagedEngine(Engine):
     def __init__(self, model, *, max_context, max_running, pool_pages, page_tokens,
                  prefill_chunk=None, cache_prefixes=True, shadow=None):
