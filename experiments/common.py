@@ -152,22 +152,29 @@ def write_json(path, payload):
 
 
 class CompileCounter:
-    """Counts XLA backend compiles (jax.monitoring's compile event) from its creation:
-    take() -> the count since the last take. What is timed must compile nothing."""
+    """Counts XLA backend compiles and their seconds (jax.monitoring's compile event) from
+    its creation: take() -> the count since the last take, take_seconds() -> the compile
+    seconds since the last take_seconds. What is timed must compile nothing."""
 
     EVENT = "/jax/core/compile/backend_compile_duration"
 
     def __init__(self):
         self.count = self.taken = 0
+        self.seconds = self.seconds_taken = 0.0
         jax.monitoring.register_event_duration_secs_listener(self._seen)
 
     def _seen(self, event, duration, **kwargs):
         if event == self.EVENT:
             self.count += 1
+            self.seconds += duration
 
     def take(self):
         n, self.taken = self.count - self.taken, self.count
         return n
+
+    def take_seconds(self):
+        s, self.seconds_taken = self.seconds - self.seconds_taken, self.seconds
+        return s
 
 
 class ProgressBar:

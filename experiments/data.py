@@ -17,6 +17,7 @@ import sysconfig
 
 import numpy as np
 
+from model.cache import layer_of
 from model.runner import ModelRunner
 from model.tokenizer import BOS, EOS
 
@@ -162,5 +163,6 @@ def model_indexer_inputs(model, tokens, n_queries, *, chunk=None):
                                                     capture_from=L - n_queries)
     q, w = captured["indexer"].q, captured["indexer"].w
     return [(q[i].astype(np.float32), w[i].astype(np.float32),
-             np.asarray(cache[model.config.selection_source(i)].k_index[:L], np.float32))
+             np.asarray(layer_of(cache, model.config, model.config.selection_source(i))
+                        .k_index[:L], np.float32))
             for i in range(model.config.n_layers)]

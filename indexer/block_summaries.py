@@ -88,7 +88,17 @@ def block_summaries(k, block_size, *, length=None):
     )
 
 
-def append(cache, k_new, start, *, block_size, n_valid=None, keys=None):
+def _at(array, layer, index):
+    """array.at[index], or array.at[layer, index] when the array carries a leading layer
+    axis (a stack of layers' summaries, updated in place at one layer: model.layer_cache)."""
+    return array.at[index] if layer is None else array.at[layer, index]
+
+
+def _of(array, layer):
+    return array if layer is None else jax.lax.dynamic_index_in_dim(array, layer, keepdims=False)
+
+
+def append(cache, k_new, start, *, block_size, n_valid=None, keys=None, layer=None):
     """Appends keys k_new [T, d_I] at positions start..start+T-1 -> new cache.
 
     start: python int or traced scalar. n_valid: only the first n_valid rows are real
@@ -96,20 +106,23 @@ def append(cache, k_new, start, *, block_size, n_valid=None, keys=None):
     block are dropped. keys: the key cache [C, d_I] with k_new already written (C a
     multiple of block_size or longer than the last block), to compute the radius of the
     blocks this append completes; None leaves radii at +inf (bounds fall back to min/max).
+    layer: None, or the index (traced is fine) of the layer to update when the cache's
+    arrays carry a leading layer axis (the others are left as they are).
     O(T * d_I): a scatter into the touched blocks, plus B keys per completed block.
     """
     T = k_new.shape[0]
-    nb = cache.count.shape[0]
+    nb = cache.count.shape[-1]
     rows = jnp.arange(T)
     n_valid = T if n_valid is None else n_valid
     valid = rows < n_valid
     blocks = jnp.where(valid, (start + rows) // block_size, nb)  # nb: out of range, dropped
     kf = k_new.astype(jnp.float32)
+    before = _of(cache.count, layer)
     out = BlockSummaryCache(
-        sum=cache.sum.at[blocks].add(kf, mode="drop"),
-        count=cache.count.at[blocks].add(1, mode="drop"),
-        min=cache.min.at[blocks].min(kf, mode="drop"),
-        max=cache.max.at[blocks].max(kf, mode="drop"),
+        sum=_at(cache.sum, layer, blocks).add(kf, mode="drop"),
+        count=_at(cache.count, layer, blocks).add(1, mode="drop"),
+        min=_at(cache.min, layer, blocks).min(kf, mode="drop"),
+        max=_at(cache.max, layer, blocks).max(kf, mode="drop"),
         radius=cache.radius,
     )
     if keys is None:
@@ -117,26 +130,27 @@ def append(cache, k_new, start, *, block_size, n_valid=None, keys=None):
     # Blocks this append can complete: those holding positions start .. start + T - 1.
     touched = start // block_size + jnp.arange((T - 1) // block_size + 2)
     ids = jnp.clip(touched, 0, nb - 1)
-    completes = ((touched < nb) & (out.count[ids] == block_size)
-                 & (cache.count[ids] < block_size))
+    completes = ((touched < nb) & (_of(out.count, layer)[ids] == block_size)
+                 & (before[ids] < block_size))
 
     def with_radii(out):
         pos = ids[:, None] * block_size + jnp.arange(block_size)
         kr = keys.astype(jnp.float32)[jnp.clip(pos, 0, keys.shape[0] - 1)]
-        r = _radius(kr, out.sum[ids], out.count[ids], block_size)
-        radius = out.radius.at[jnp.where(completes, ids, nb)].set(r, mode="drop")
+        r = _radius(kr, _of(out.sum, layer)[ids], _of(out.count, layer)[ids], block_size)
+        radius = _at(out.radius, layer, jnp.where(completes, ids, nb)).set(r, mode="drop")
         return out._replace(radius=radius)
 
     return jax.lax.cond(jnp.any(completes), with_radii, lambda o: o, out)
 
 
-def refresh(cache, keys, first, n_rows, whole, *, block_size):
+def refresh(cache, keys, first, n_rows, whole, *, block_size, layer=None):
     """The summaries of the blocks holding key rows first .. first + n_rows - 1 rebuilt
     from keys [C, d_I] (the key cache, those rows already written), counting only the rows
     below `whole`: for keys that are rewritten until final (DeepSeek-V4's compressed
     entries: provisional until their window is whole), where `append` cannot retract.
-    first, whole: traced scalars are fine; n_rows static. O((n_rows + 2 block_size) d_I)."""
-    nb = cache.count.shape[0]
+    first, whole: traced scalars are fine; n_rows static; layer: as `append`'s.
+    O((n_rows + 2 block_size) d_I)."""
+    nb = cache.count.shape[-1]
     n_touched = (n_rows - 1) // block_size + 2
     touched = first // block_size + jnp.arange(n_touched)
     rows = touched[:, None] * block_size + jnp.arange(block_size)
@@ -150,7 +164,8 @@ def refresh(cache, keys, first, n_rows, whole, *, block_size):
         max=jnp.max(jnp.where(valid, kr, -jnp.inf), axis=1),
         radius=_radius(kr, total, count, block_size))
     ids = jnp.where(touched < nb, touched, nb)  # past the cache: dropped
-    return BlockSummaryCache(*(c.at[ids].set(r, mode="drop") for c, r in zip(cache, rebuilt)))
+    return BlockSummaryCache(*(_at(c, layer, ids).set(r, mode="drop")
+                               for c, r in zip(cache, rebuilt)))
 
 
 def truncate(cache, k, length, *, block_size):

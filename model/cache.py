@@ -13,17 +13,26 @@ either. A layer holds the kv fields of its attention kind, and the index fields 
 indexer_types entry is "shared" (it runs no indexer). Adding a field is one entry here or in
 its attention kind's, plus the module that writes it (the kind's `project` returns its rows
 by name).
+
+The cache is a list over the stacks of model.layer_stack: one LayerCache per stack, each
+array with a leading layer axis ([layers of the stack, rows, ...]; model.layer_cache), so
+a scan over the stack's layers reads and writes it in place. `layer_of` gives one layer's
+arrays to code outside the model (shadow recall, evaluation).
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from indexer.block_summaries import SUMMARY_LAYOUT, BlockSummaryCache
+from indexer.block_summaries import SUMMARY_LAYOUT
 from indexer.block_summaries import append as append_summaries
 from model.attention_kinds import ATTENTION_KINDS, attention_kind
 from model.cache_field import PARTS, CacheField, model_dtype
+from model.layer_cache import LayerCache, LayerView
+from model.layer_stack import layer_plan
 from model.sharding import check_capacity, logical_to_spec, named
+
+__all__ = ["LayerCache", "LayerView"]  # re-exported: their home is model.layer_cache
 
 BLOCK = "hierarchical.block_size"  # a row per key block (CacheField.positions_per_row)
 
@@ -55,72 +64,6 @@ def layer_fields(config, layer):
     return (*kind.cache_fields, *(() if skip else INDEX_FIELDS))
 
 
-@jax.tree_util.register_pytree_with_keys_class
-class LayerCache:
-    """One layer's cache: named arrays (`field`), read as attributes (cache.k, cache.k_index).
-    A pytree (jit, donation, tree.map, shardings); pure updates return a new one.
-
-    pages: None, or (a paged decode step's view, model.paged_cache.PageMap) where the
-    layer's per-token kv rows are read: then its kv fields hold only the step's new rows,
-    and token_rows / the sparse read go through the map."""
-
-    __slots__ = ("fields", "pages")
-
-    def __init__(self, fields, pages=None):
-        object.__setattr__(self, "fields", dict(fields))
-        object.__setattr__(self, "pages", pages)
-
-    def __getattr__(self, name):
-        if name in ("fields", "pages"):  # not set yet (copy, unpickling)
-            raise AttributeError(name)
-        try:
-            return self.fields[name]
-        except KeyError:
-            raise AttributeError(f"this layer's cache has no {name!r}; it holds "
-                                 f"{sorted(self.fields)}") from None
-
-    def __setattr__(self, name, value):
-        raise AttributeError("LayerCache is immutable: use replace()")
-
-    def __repr__(self):
-        return f"LayerCache({self.fields!r})"
-
-    @property
-    def names(self):
-        return tuple(self.fields)
-
-    @property
-    def has_index(self):
-        """Whether the layer caches indexer keys (False on a shared layer)."""
-        return "k_index" in self.fields
-
-    @property
-    def summaries(self):
-        """The block summaries of the indexer keys (indexer.BlockSummaryCache), or None."""
-        if not self.has_index:
-            return None
-        return BlockSummaryCache(**{name: self.fields[name] for name in SUMMARY_LAYOUT})
-
-    def replace(self, **arrays):
-        unknown = sorted(set(arrays) - set(self.fields))
-        if unknown:
-            raise ValueError(f"LayerCache.replace: unknown fields {unknown}; this layer holds "
-                             f"{sorted(self.fields)}")
-        return LayerCache({**self.fields, **arrays}, self.pages)
-
-    def tree_flatten_with_keys(self):
-        children = [(jax.tree_util.DictKey(k), v) for k, v in self.fields.items()]
-        if self.pages is not None:
-            children.append((jax.tree_util.GetAttrKey("pages"), self.pages))
-        return children, (tuple(self.fields), self.pages is not None)
-
-    @classmethod
-    def tree_unflatten(cls, aux, values):
-        names, paged = aux
-        values = list(values)
-        return cls(dict(zip(names, values)), values[len(names)] if paged else None)
-
-
 def _rows(name, length, config):
     """Rows of field `name` that hold the first `length` positions."""
     return field(name).rows(length, config)
@@ -129,24 +72,32 @@ def _rows(name, length, config):
 # ------------------------------------------------------------------ creation
 
 def init_cache(config, capacity):
-    """Empty caches for every layer, `capacity` positions long."""
+    """Empty caches for every stack of layers (model.layer_stack), `capacity` positions
+    long: a list of LayerCache, each array [layers of the stack, rows, ...]."""
     out = []
-    for layer in range(config.n_layers):
+    for layers in layer_plan(config).stacks:
         fields = {}
-        for name in layer_fields(config, layer):
+        for name in layer_fields(config, layers[0]):
             f = field(name)
-            fields[name] = jnp.full((_rows(name, capacity, config), *f.shape(config)), f.fill,
-                                    jnp.dtype(f.dtype(config)))
+            fields[name] = jnp.full((len(layers), _rows(name, capacity, config),
+                                     *f.shape(config)), f.fill, jnp.dtype(f.dtype(config)))
         out.append(LayerCache(fields))
     return out
 
 
+def layer_of(cache, config, layer):
+    """Layer `layer`'s arrays of a cache (init_cache's form) as a LayerCache of its own
+    (copies; for code outside the model: shadow recall, evaluation, tests)."""
+    s, index = layer_plan(config).place[layer]
+    return LayerCache({name: array[index] for name, array in cache[s].fields.items()})
+
+
 def cache_capacity(cache, config=None, *, batched=False):
-    """Positions a cache (a list of LayerCache; batched: a leading slot axis) holds: the
-    rows of its first field that grows with them, times that field's positions per row
-    (capacities are multiples of each: model.buckets). config: needed when that field's
-    unit is a config value (DeepSeek-V4's compressed entries)."""
-    axis = 1 if batched else 0
+    """Positions a cache (init_cache's list of LayerCache; batched: a leading slot axis)
+    holds: the rows of its first field that grows with them, times that field's positions
+    per row (capacities are multiples of each: model.buckets). config: needed when that
+    field's unit is a config value (DeepSeek-V4's compressed entries)."""
+    axis = 2 if batched else 1
     for layer in cache:
         for name in layer.names:
             f = field(name)
@@ -160,28 +111,25 @@ def cache_capacity(cache, config=None, *, batched=False):
 
 
 def part_copy(cache, part):
-    """A copy of the fields of one part ("kv" or "index") of every layer: what outlives the
+    """A copy of the fields of one part ("kv" or "index") of every stack: what outlives the
     cache (e.g. the indexer keys a comparison reselects over, without the kv bytes)."""
     return [LayerCache({name: jnp.copy(array) for name, array in layer.fields.items()
                         if field(name).part == part}) for layer in cache]
 
 
-def token_rows(cache, names, kv_len=None):
-    """{name: rows [0, kv_len)} of a layer's per-token fields `names` (None: every row)."""
-    if cache.pages is not None:
-        return cache.pages.rows(cache.fields, names, kv_len)
-    return {name: cache.fields[name][:kv_len] for name in names}
+def token_rows(view, names, kv_len=None):
+    """{name: rows [0, kv_len)} of a layer's per-token fields `names` (None: every row);
+    view: the layer's LayerView."""
+    if view.pages is not None:
+        return view.pages.rows(view, names, kv_len)
+    return {name: view.read(name)[:kv_len] for name in names}
 
 
 # ------------------------------------------------------------------ writes of a step
 
-def write_rows(array, new, start):
-    """array with rows [start, start + len(new)) replaced by `new` (in array's dtype)."""
-    return jax.lax.dynamic_update_slice_in_dim(array, new.astype(array.dtype), start, 0)
-
-
 def overlay_rows(array, new, start):
-    """write_rows as a select over every row: an expression XLA fuses into what reads it
+    """Rows [start, start + len(new)) of array replaced by `new`, as a select over every
+    row: an expression XLA fuses into what reads it
     (a gathered view stays a gather of the pages) rather than an update of a copy."""
     offset = jnp.arange(array.shape[0]) - start
     inside = (offset >= 0) & (offset < new.shape[0])
@@ -189,23 +137,28 @@ def overlay_rows(array, new, start):
     return jnp.where(inside.reshape(-1, *(1,) * (array.ndim - 1)), rows, array)
 
 
-def write_index(cache, k_index, start, *, block_size, n_valid=None):
+def write_index(view, k_index, start, *, block_size, n_valid=None):
     """The layer's indexer keys k_index [T, d_I] written at start.., and their block
-    summaries extended (only the first n_valid rows are real tokens: default T)."""
-    if cache.pages is None:
-        keys = write_rows(cache.k_index, k_index, start)
+    summaries extended (only the first n_valid rows are real tokens: default T); view: the
+    layer's LayerView -> the updated view."""
+    if view.pages is None:
+        view = view.write_rows("k_index", k_index, start)
     else:  # a paged view: a select, so its readers gather from the pages themselves
-        keys = overlay_rows(cache.k_index, k_index, start)
-    summaries = append_summaries(cache.summaries, k_index, start, block_size=block_size,
-                                 n_valid=n_valid, keys=keys)
-    return cache.replace(k_index=keys, **summaries._asdict())
+        view = view.put(k_index=overlay_rows(view.read("k_index"), k_index, start))
+    keys = view.read("k_index")
+    return view.update_summaries(lambda summaries, index: append_summaries(
+        summaries, k_index, start, block_size=block_size, n_valid=n_valid, keys=keys,
+        layer=index))
 
 
 # ------------------------------------------------------------------ sharding
 
-def field_spec(name, *, batched=False):
-    """The PartitionSpec of field `name` (model.sharding's rules over its logical axes)."""
-    return logical_to_spec((("batch",) if batched else ()) + field(name).axes)
+def field_spec(name, *, batched=False, stacked=True):
+    """The PartitionSpec of field `name` (model.sharding's rules over its logical axes):
+    with its stack's leading "layers" axis (stacked; False: one layer's array), after a
+    "batch" axis when batched."""
+    return logical_to_spec((("batch",) if batched else ()) + (("layers",) if stacked else ())
+                           + field(name).axes)
 
 
 def cache_specs(cache, *, batched=False):
@@ -281,16 +234,17 @@ def state_fields(config):
 
 def take_prefix(cache, length, config):
     """The rows of the first `length` positions (static) of every field that grows with
-    the positions: a list over layers of {field: array} (a "prefix"; jit-able with length
-    and config static). State fields (DeepSeek-V4's rings) hold the state at the cache's
-    end, not at `length`: they are not part of a prefix (take_state)."""
-    return [{name: array[:_rows(name, length, config)] for name, array in c.fields.items()
+    the positions: a list over stacks of {field: array [layers, rows, ...]} (a "prefix";
+    jit-able with length and config static). State fields (DeepSeek-V4's rings) hold the
+    state at the cache's end, not at `length`: they are not part of a prefix
+    (take_state)."""
+    return [{name: array[:, :_rows(name, length, config)] for name, array in c.fields.items()
              if not field(name).is_state} for c in cache]
 
 
 def take_state(cache):
-    """The state fields of every layer (DeepSeek-V4's window and compressor tails), as they
-    are at the cache's end: a list over layers of {field: array} (jit-able)."""
+    """The state fields of every stack (DeepSeek-V4's window and compressor tails), as they
+    are at the cache's end: a list over stacks of {field: array} (jit-able)."""
     return [{name: array for name, array in c.fields.items() if field(name).is_state}
             for c in cache]
 
@@ -308,7 +262,7 @@ def state_bytes(state):
 
 def put_prefix(cache, prefix):
     """`cache` with `prefix`'s rows written at its start (jit-able)."""
-    return [c.replace(**{name: c.fields[name].at[:rows.shape[0]].set(rows.astype(
+    return [c.replace(**{name: c.fields[name].at[:, :rows.shape[1]].set(rows.astype(
         c.fields[name].dtype)) for name, rows in p.items()}) for c, p in zip(cache, prefix)]
 
 
@@ -322,15 +276,15 @@ def slice_prefix(prefix, start, stop, config):
                              f"{stride}, the positions per row of cache field {name!r}")
     out = []
     for p in prefix:
-        out.append({name: np.array(rows[_rows(name, start, config):_rows(name, stop, config)])
+        out.append({name: np.array(rows[:, _rows(name, start, config):_rows(name, stop, config)])
                     for name, rows in p.items()})
     return out
 
 
 def join_prefix(pieces):
     """Consecutive host prefixes joined into one."""
-    return [{name: np.concatenate([piece[layer][name] for piece in pieces])
-             for name in pieces[0][layer]} for layer in range(len(pieces[0]))]
+    return [{name: np.concatenate([piece[s][name] for piece in pieces], axis=1)
+             for name in pieces[0][s]} for s in range(len(pieces[0]))]
 
 
 def pad_prefix(prefix, length, config):
@@ -341,7 +295,7 @@ def pad_prefix(prefix, length, config):
         layer = {}
         for name, rows in p.items():
             pad = [(0, 0)] * rows.ndim
-            pad[0] = (0, _rows(name, length, config) - rows.shape[0])
+            pad[1] = (0, _rows(name, length, config) - rows.shape[1])
             layer[name] = np.pad(rows, pad, constant_values=field(name).fill)
         out.append(layer)
     return out
@@ -361,8 +315,8 @@ def prefix_specs(prefix, sequence_shards):
     their logical axes when the sequence shards divide their rows, the rest replicated."""
     def spec(name, rows):
         f = field(name)
-        if f.per_token and rows.shape[0] % sequence_shards == 0:
-            return logical_to_spec(f.axes)
+        if f.per_token and rows.shape[1] % sequence_shards == 0:
+            return logical_to_spec(("layers",) + f.axes)
         return logical_to_spec((None,) * rows.ndim)
 
     return [{name: spec(name, rows) for name, rows in p.items()} for p in prefix]

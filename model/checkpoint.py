@@ -15,6 +15,7 @@ from model.coarse_screen_file import (
     reset_coarse_screens,
 )
 from model.config import ModelConfig
+from model.layer_stack import layered_pure_dict, stacked_pure_dict
 from model.transformer import Transformer, with_config
 
 # Fields that fix the weights' shapes or meaning. The rest (attention, indexer, top_k,
@@ -42,9 +43,10 @@ def save_checkpoint(directory, model, *, step=0, metadata=None, extra=None, max_
     """Saves model weights, its config and JSON metadata (plus an optional `extra` pytree,
     e.g. optimizer state) as step `step` under `directory`."""
     # Host arrays: no device shardings are recorded, so a checkpoint written on a GPU restores
-    # on a CPU-only machine and vice versa.
+    # on a CPU-only machine and vice versa. Per layer ("layers" / i / ...), whatever the
+    # stacking of model.layer_stack: the same files before and after it.
     weights = jax.tree.map(lambda x: np.asarray(jax.device_get(x)),
-                           nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+                           layered_pure_dict(nnx.state(model, nnx.Param), model.config))
     items = dict(
         state=ocp.args.StandardSave(weights),
         config=ocp.args.JsonSave(model.config.to_dict()),
@@ -99,14 +101,14 @@ def restore_checkpoint(directory, config=None, *, step=None, extra_target=None):
     # Name this host's device: checkpoints that did record a device (e.g. cuda:0) still load.
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                          nnx.to_pure_dict(params))
+                          layered_pure_dict(params, config))
     items = dict(state=ocp.args.StandardRestore(target))
     if extra_target is not None:
         items["extra"] = ocp.args.StandardRestore(extra_target)
     with _manager(directory) as mngr:
         step = mngr.latest_step() if step is None else step
         restored = mngr.restore(step, args=ocp.args.Composite(**items))
-    nnx.replace_by_pure_dict(params, restored["state"])
+    nnx.replace_by_pure_dict(params, stacked_pure_dict(restored["state"], config))
     model = reset_coarse_screens(nnx.merge(graphdef, params, rest))
     attach_coarse_screen(model, directory)
     if requested != config:

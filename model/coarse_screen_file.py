@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 
 from indexer import CoarseScreen, ScreenParam
+from model.layer_stack import assign_named, layer_plan, named_values, stack_trees
 
 SCREEN_FILE = "coarse_screen.safetensors"
 INDEXER_PARAMS = nnx.All(nnx.Param, nnx.PathContains("indexer"))
@@ -27,16 +28,11 @@ class CoarseScreenFileError(ValueError):
     pass
 
 
-def _named(model, kind):
-    state = nnx.to_flat_state(nnx.state(model, kind))
-    return {".".join(str(p) for p in path): var for path, var in state}
-
-
 def indexer_fingerprint(model):
-    """sha256 of the model's indexer parameters (names, shapes, float32 bytes)."""
+    """sha256 of the model's indexer parameters (per-layer names, shapes, float32 bytes)."""
     digest = hashlib.sha256()
-    for name, var in sorted(_named(model, INDEXER_PARAMS).items()):
-        value = np.ascontiguousarray(np.asarray(var[...], np.float32))
+    for name, value in sorted(named_values(model, INDEXER_PARAMS).items()):
+        value = np.ascontiguousarray(np.asarray(value, np.float32))
         digest.update(f"{name}:{value.shape};".encode())
         digest.update(value.tobytes())
     return digest.hexdigest()
@@ -45,9 +41,11 @@ def indexer_fingerprint(model):
 def reset_coarse_screens(model):
     """Every layer's screen back to the untrained one (the mean screen): used where a model
     is assembled from abstract shapes (a checkpoint restore), which leave them unset."""
-    for layer in model.layers:
-        if layer.indexer is not None:  # shared layers (indexer_types) have neither
-            layer.coarse_screen = CoarseScreen(model.config.index_heads, model.config.index_dim)
+    for layers, stack in zip(layer_plan(model.config).stacks, model.stacks):
+        if stack.indexer is not None:  # shared layers (indexer_types) have neither
+            graphdef, state = nnx.split(CoarseScreen(model.config.index_heads,
+                                                     model.config.index_dim))
+            stack.coarse_screen = nnx.merge(graphdef, stack_trees([state] * len(layers)))
     return model
 
 
@@ -62,8 +60,8 @@ def save_coarse_screen(directory, model, *, record=None):
 
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    arrays = {name: np.asarray(var[...], np.float32)
-              for name, var in _named(model, ScreenParam).items()}
+    arrays = {name: np.asarray(value, np.float32)
+              for name, value in named_values(model, ScreenParam).items()}
     meta = {"indexer_sha256": indexer_fingerprint(model), "record": json.dumps(record or {})}
     path = directory / SCREEN_FILE
     save_file(arrays, str(path), metadata=meta)
@@ -101,11 +99,11 @@ def load_coarse_screen(directory, model):
             f"{path}: these coarse screens were distilled from another indexer (sha256 "
             f"{meta.get('indexer_sha256')!r}, the model's is {expected!r}); retrain them with "
             f"`python -m experiments.training.coarse_screen`")
-    for name, var in _named(model, ScreenParam).items():
+    for name, value in named_values(model, ScreenParam).items():
         if name not in arrays:
             raise CoarseScreenFileError(f"{path}: coarse screen parameter {name} is missing")
-        if arrays[name].shape != var[...].shape:
+        if arrays[name].shape != value.shape:
             raise CoarseScreenFileError(f"{path}: coarse screen parameter {name} has shape "
-                                        f"{arrays[name].shape}, the model needs {var[...].shape}")
-        var[...] = arrays[name]
+                                        f"{arrays[name].shape}, the model needs {value.shape}")
+    assign_named(model, ScreenParam, arrays)
     return json.loads(meta.get("record", "{}"))

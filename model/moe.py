@@ -73,7 +73,7 @@ def _weights(scores, experts, moe):
 
 
 def expert_mix(x, weights, experts, stored, scale_block=None, *, implementation=None,
-               limit=None):
+               limit=None, layer=None):
     """sum_j weights[t, j] SwiGLU_{experts[t, j]}(x[t]) -> [T, D], computing only the chosen
     experts. stored: gate, up [E, D, F] and down [E, F, D] in the compute dtype, or those
     in FP8 e4m3 followed by their block scales (gate_scale, up_scale, down_scale) with
@@ -81,14 +81,18 @@ def expert_mix(x, weights, experts, stored, scale_block=None, *, implementation=
     runs the grouped-matmul op (pallas_kernels.grouped_matmul: on GPU a kernel that reads
     FP8 tiles as stored; `implementation` picks one); decode (T x k <= E) gathers the
     chosen experts, and dequantizes only those. An expert id >= E (an expert another
-    device holds) is skipped: its weight must be 0. limit: swiglu's clamp (None: none)."""
+    device holds) is skipped: its weight must be 0. limit: swiglu's clamp (None: none).
+    layer: None, or the index (traced is fine) of the layer whose experts these are when
+    `stored` is a stack of layers' experts ([S, E, ...]: model.layer_stack), read in
+    place: decode gathers from the stack, prefill's op reads the layer's groups of it."""
     T, k = experts.shape
-    E = stored[0].shape[0]
+    E = stored[0].shape[0 if layer is None else 1]
     mats, scales = stored[:3], (stored[3:] if scale_block else (None,) * 3)
     if T * k <= E:
         ids = jnp.minimum(experts, E - 1).reshape(-1)
-        picked = [m[ids] if s is None else
-                  pallas_kernels.dequantize_blocks(m[ids], s[ids], scale_block, x.dtype)
+        take = (lambda a: a[ids]) if layer is None else (lambda a: a[layer, ids])  # noqa: E731
+        picked = [take(m) if s is None else
+                  pallas_kernels.dequantize_blocks(take(m), take(s), scale_block, x.dtype)
                   for m, s in zip(mats, scales)]
         g, u, d = (w.reshape(T, k, *w.shape[1:]) for w in picked)
         h = swiglu(jnp.einsum("td,tkdf->tkf", x, g), jnp.einsum("td,tkdf->tkf", x, u), limit)
@@ -102,7 +106,7 @@ def expert_mix(x, weights, experts, stored, scale_block=None, *, implementation=
 
     def grouped(lhs, i):
         return pallas_kernels.grouped_matmul(lhs, mats[i], sizes, rhs_scale=scales[i],
-                                             scale_block=scale_block,
+                                             scale_block=scale_block, stack_index=layer,
                                              implementation=implementation)
 
     rows = x[token]
@@ -133,7 +137,14 @@ class MoE(nnx.Module):
     moe.fp8_block the routed experts are e4m3 beside f32 `gate_scale`, `up_scale`,
     `down_scale` (fp8_scale_block), read as stored by the grouped-matmul op. hash_vocab:
     a hash layer (DeepSeek-V4's first layers): `tid2eid` i32[hash_vocab, k] names each
-    token id's experts, and the call takes the token ids."""
+    token id's experts, and the call takes the token ids.
+
+    A call with `layer` runs a block whose routed experts (ROUTED_EXPERTS) were left as
+    the whole stack of its layers (model.layer_scan), read in place at that index: a
+    layer's experts sliced out of the stack would be copied (11.3 GB per DeepSeek-V3.2
+    layer in FP8 on one device)."""
+
+    ROUTED_EXPERTS = ("gate", "up", "down", "gate_scale", "up_scale", "down_scale")
 
     def __init__(self, d_model, moe, *, rngs, dtype=jnp.float32, param_dtype=jnp.float32,
                  hash_vocab=None):
@@ -173,8 +184,9 @@ class MoE(nnx.Module):
         return (stored + tuple(getattr(self, f"{n}_scale")[...] for n in names),
                 fp8_scale_block(self.moe.fp8_block))
 
-    def __call__(self, x, tokens=None):
-        """x [T, D]; tokens i32[T]: the token ids (read by a hash layer only)."""
+    def __call__(self, x, tokens=None, *, layer=None):
+        """x [T, D]; tokens i32[T]: the token ids (read by a hash layer only); layer: None,
+        or this layer's index in the stack its routed experts hold (class docstring)."""
         mesh = sharding.current_mesh()
         group = 1 if mesh is None else sharding.mesh_axis_sizes(EXPERT_GROUP, mesh.shape)
         stored, scale_block = self.expert_weights()
@@ -186,36 +198,44 @@ class MoE(nnx.Module):
         bias = (jnp.zeros((self.moe.n_routed_experts,), jnp.float32) if self.bias is None
                 else self.bias[...])
         routed = (expert_parallel_mix if group > 1 else local_mix)(
-            x, self.router[...], bias, stored, scale_block, self.moe, mesh, token_experts)
+            x, self.router[...], bias, stored, scale_block, self.moe, mesh, token_experts,
+            layer=layer)
         return routed if self.shared is None else routed + self.shared(x)
 
 
-def local_mix(x, router, bias, stored, scale_block, moe, mesh=None, token_experts=None):
+def local_mix(x, router, bias, stored, scale_block, moe, mesh=None, token_experts=None, *,
+              layer=None):
     """The routed experts' output on one device (or under GSPMD): route, then mix.
-    stored, scale_block: as MoE.expert_weights gives them."""
+    stored, scale_block: as MoE.expert_weights gives them; layer: expert_mix's."""
     weights, experts = route(x, router, bias, moe, token_experts=token_experts)
-    return expert_mix(x, weights, experts, stored, scale_block, limit=moe.swiglu_limit)
+    return expert_mix(x, weights, experts, stored, scale_block, limit=moe.swiglu_limit,
+                      layer=layer)
 
 
-def expert_parallel_mix(x, router, bias, stored, scale_block, moe, mesh, token_experts=None):
+def expert_parallel_mix(x, router, bias, stored, scale_block, moe, mesh, token_experts=None,
+                        *, layer=None):
     """local_mix with the experts split over the mesh's EXPERT_GROUP (module docstring):
     each device mixes the assignments of its own experts, a psum over the group adds them.
-    Tokens stay split over "sequence" where the chunk divides."""
+    Tokens stay split over "sequence" where the chunk divides. layer: expert_mix's (the
+    stack's layer axis stays whole on every device)."""
     S = sharding.axis_size(mesh, "sequence")
     rows = P("sequence" if S > 1 and x.shape[0] % S == 0 else None, None)
-    experts_spec = P(EXPERT_GROUP, None, None)
+    stacked = layer is not None
+    experts_spec = P(None, EXPERT_GROUP, None, None) if stacked else P(EXPERT_GROUP, None, None)
 
-    def body(x, router, bias, token_experts, *stored):  # stored: this device's experts only
+    def body(x, router, bias, token_experts, layer, *stored):  # stored: this device's experts
         weights, experts = route(x, router, bias, moe, token_experts=token_experts)
-        n_local = stored[0].shape[0]
+        n_local = stored[0].shape[1 if stacked else 0]
         local = experts - jax.lax.axis_index(EXPERT_GROUP) * n_local
         mine = (local >= 0) & (local < n_local)
         out = expert_mix(x, jnp.where(mine, weights, 0.0), jnp.where(mine, local, n_local),
-                         stored, scale_block, limit=moe.swiglu_limit)
+                         stored, scale_block, limit=moe.swiglu_limit,
+                         layer=layer if stacked else None)
         return jax.lax.psum(out, EXPERT_GROUP)
 
     fn = sharding.shard_map(body, mesh=mesh,
-                            in_specs=(rows, P(), P(), P() if token_experts is None else rows)
-                            + (experts_spec,) * len(stored),
+                            in_specs=(rows, P(), P(), P() if token_experts is None else rows,
+                                      P()) + (experts_spec,) * len(stored),
                             out_specs=rows, check_vma=False)
-    return fn(x, router, bias, token_experts, *stored)
+    return fn(x, router, bias, token_experts, jnp.asarray(layer if stacked else 0, jnp.int32),
+              *stored)

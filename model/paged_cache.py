@@ -4,10 +4,12 @@ the pages that hold its positions [j P, (j + 1) P) (P = page_tokens, a multiple 
 field's positions per row). State fields (DeepSeek-V4's window and compressor rings) stay
 per request: a row of the pool's state arrays per request slot, outside the pages.
 
-Layout of a pool layer (a model.cache.LayerCache, the same field names as a layer's cache):
-a growing field is [n_pages * rows_per_page, ...] (page p's rows are the p-th run of
-rows_per_page = P / the field's positions per row); a state field is [n_slots + 1, ...]
-(the last slot is scratch: the idle rows of a decode batch write there). Two pages are
+Layout of a pool (a list over the stacks of model.layer_stack, each a model.cache.LayerCache
+with the same field names as the stack's cache, every array after its leading layer axis):
+a growing field is [layers, n_pages * rows_per_page, ...] (page p's rows are the p-th run
+of rows_per_page = P / the field's positions per row); a state field is
+[layers, n_slots + 1, ...] (the last slot is scratch: the idle rows of a decode batch
+write there). Two pages are
 reserved: SCRATCH (an idle batch row's table points only here: its writes land there and
 nothing real reads it) and EMPTY (never written: holds every field's empty value; a block
 table's unused entries point here, so a read past a request's pages sees an empty cache,
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 
 from model.attention_kinds import attention_kind
 from model.cache import LayerCache, field, init_cache, layer_fields
+from model.layer_stack import layer_plan
 
 SCRATCH, EMPTY = 0, 1
 RESERVED_PAGES = 2
@@ -57,13 +60,14 @@ def init_pool(config, n_pages, page_tokens, n_slots):
                          f"and the empty page), got {n_pages}")
     one = init_cache(config, page_tokens)  # one page of every field, empty
     out = []
-    for layer in one:
+    for stack in one:
         fields = {}
-        for name, rows in layer.fields.items():
+        for name, rows in stack.fields.items():
             if field(name).is_state:
-                fields[name] = jnp.broadcast_to(rows, (n_slots + 1, *rows.shape))
+                fields[name] = jnp.broadcast_to(rows[:, None], (rows.shape[0], n_slots + 1,
+                                                                *rows.shape[1:]))
             else:
-                fields[name] = jnp.tile(rows, (n_pages,) + (1,) * (rows.ndim - 1))
+                fields[name] = jnp.tile(rows, (1, n_pages) + (1,) * (rows.ndim - 2))
         out.append(LayerCache(fields))
     return out
 
@@ -71,12 +75,13 @@ def init_pool(config, n_pages, page_tokens, n_slots):
 def page_bytes(config, page_tokens):
     """Bytes of one page over every layer (what a request's P positions hold)."""
     shapes = jax.eval_shape(lambda: init_cache(config, page_tokens))
-    return sum(int(s.size) * s.dtype.itemsize for layer in shapes
-               for name, s in layer.fields.items() if not field(name).is_state)
+    return sum(int(s.size) * s.dtype.itemsize for stack in shapes
+               for name, s in stack.fields.items() if not field(name).is_state)
 
 
 def _paged(array, rpp):
-    return array.reshape(array.shape[0] // rpp, rpp, *array.shape[1:])
+    """[layers, pages x rpp, ...] -> [layers, pages, rpp, ...]."""
+    return array.reshape(array.shape[0], array.shape[1] // rpp, rpp, *array.shape[2:])
 
 
 # ------------------------------------------------------------------ decode (per request, vmapped)
@@ -84,10 +89,11 @@ def _paged(array, rpp):
 @jax.tree_util.register_pytree_node_class
 class PageMap:
     """Where one request's per-token kv rows live in the pool during a decode step: the
-    pool's arrays of those fields ({name: [n_pages * P, ...]}), the physical row of each of
-    the step's kv_len logical positions (row_map i32[kv_len]) and the step's position (its
-    new rows are the view's own until written back). A sparse read gathers only the
-    selected rows; a dense read (a dense layer) gathers them all."""
+    pool's arrays of those fields for a stack ({name: [layers, n_pages * P, ...]}), the
+    physical row of each of the step's kv_len logical positions (row_map i32[kv_len]) and
+    the step's position (its new rows are the view's own until written back). A sparse
+    read gathers only the selected rows of the reading layer; a dense read (a dense layer)
+    gathers them all."""
 
     def __init__(self, pool, row_map, position):
         self.pool, self.row_map, self.position = pool, row_map, position
@@ -99,24 +105,26 @@ class PageMap:
     def tree_unflatten(cls, _, children):
         return cls(*children)
 
-    def rows(self, new, names, kv_len=None):
-        """{name: rows [0, kv_len)} with the step's new rows (new[name] [1, ...]) in place."""
+    def rows(self, view, names, kv_len=None):
+        """{name: rows [0, kv_len)} of the layer of `view` (model.layer_cache.LayerView,
+        whose fields hold the step's new row [1, ...]) with that new row in place."""
         out = {}
         for name in names:
-            rows = self.pool[name][self.row_map[:kv_len]]
-            out[name] = jax.lax.dynamic_update_slice_in_dim(rows, new[name].astype(rows.dtype),
-                                                            self.position, 0)
+            rows = self.pool[name][view.index, self.row_map[:kv_len]]
+            out[name] = jax.lax.dynamic_update_slice_in_dim(
+                rows, view.read(name).astype(rows.dtype), self.position, 0)
         return out
 
-    def selected(self, new, names, indices):
-        """The rows a one-token step attends to: indices i32[1, K] (-1: none) -> ({name:
-        rows [K, ...]}, local indices i32[1, K] into them)."""
+    def selected(self, view, names, indices):
+        """The rows the layer of `view` attends to in a one-token step: indices i32[1, K]
+        (-1: none) -> ({name: rows [K, ...]}, local indices i32[1, K] into them)."""
         flat = indices[0]
         physical = self.row_map[jnp.clip(flat, 0, self.row_map.shape[0] - 1)]
+        new = {name: view.read(name) for name in names}
         mine = (flat == self.position).reshape(-1, *(1,) * (new[names[0]].ndim - 1))
         out = {}
         for name in names:
-            rows = self.pool[name][physical]
+            rows = self.pool[name][view.index, physical]
             out[name] = jnp.where(mine, new[name][0].astype(rows.dtype), rows)
         local = jnp.where(indices >= 0, jnp.arange(flat.shape[0]), -1)
         return out, local
@@ -129,27 +137,28 @@ def _row_map(table, kv_len, page_tokens):
 
 def gather_view(pool, table, state, position, kv_len, page_tokens, config):
     """The cache of one request up to kv_len positions as model.transformer reads it (a list
-    of LayerCache laid out as model.cache.init_cache(config, kv_len)) through its block
-    table i32[max_pages], for a step at `position`; state: its state fields ({field: rows}
-    per layer). A DSA layer's
-    per-token kv fields are not gathered: the view holds a row for the step's new token
-    and a PageMap to read the rest (LayerCache.pages); the other fields are gathered."""
+    over stacks of LayerCache laid out as model.cache.init_cache(config, kv_len)) through
+    its block table i32[max_pages], for a step at `position`; state: its state fields
+    ({field: [layers, ...]} per stack). A DSA layer's per-token kv fields are not gathered:
+    the view holds a row for the step's new token and a PageMap to read the rest
+    (LayerCache.pages); the other fields are gathered."""
     n = -(-kv_len // page_tokens)
     out = []
-    for index, (layer, own) in enumerate(zip(pool, state)):
+    for layers, stack, own in zip(layer_plan(config).stacks, pool, state):
         fields, mapped = {}, {}
-        direct = not attention_kind(config, index).self_indexed
-        for name, array in layer.fields.items():
+        direct = not attention_kind(config, layers[0]).self_indexed
+        for name, array in stack.fields.items():
             f = field(name)
             if f.is_state:
                 fields[name] = own[name]
             elif direct and f.part == "kv" and f.per_token:
                 mapped[name] = array
-                fields[name] = jnp.zeros((1, *array.shape[1:]), array.dtype)
+                fields[name] = jnp.zeros((array.shape[0], 1, *array.shape[2:]), array.dtype)
             else:
                 rpp = rows_per_page(name, page_tokens, config)
-                rows = _paged(array, rpp)[table[:n]].reshape(n * rpp, *array.shape[1:])
-                fields[name] = rows[:f.rows(kv_len, config)]
+                rows = _paged(array, rpp)[:, table[:n]].reshape(array.shape[0], n * rpp,
+                                                                 *array.shape[2:])
+                fields[name] = rows[:, :f.rows(kv_len, config)]
         pages = None
         if mapped:
             pages = PageMap(mapped, _row_map(table, kv_len, page_tokens), position)
@@ -159,48 +168,49 @@ def gather_view(pool, table, state, position, kv_len, page_tokens, config):
 
 def touched_rows(view, position, config):
     """What a one-token step at `position` wrote into a view: the row holding `position` of
-    every growing field ({field: row} per layer), and every state field whole."""
+    every growing field ({field: [layers, ...]} per stack), and every state field whole."""
     out = []
-    for layer in view:
+    for stack in view:
         rows = {}
-        for name, array in layer.fields.items():
+        for name, array in stack.fields.items():
             f = field(name)
             if f.is_state:
                 rows[name] = array
-            elif layer.pages is not None and name in layer.pages.pool:
-                rows[name] = array[0]
+            elif stack.pages is not None and name in stack.pages.pool:
+                rows[name] = array[:, 0]
             else:
                 rows[name] = jax.lax.dynamic_index_in_dim(array, position // f.stride(config),
-                                                          keepdims=False)
+                                                          axis=1, keepdims=False)
         out.append(rows)
     return out
 
 
 def scatter_rows(pool, rows, tables, positions, slots, page_tokens, config):
-    """The pool with a decode batch's touched rows (touched_rows, batched [B, ...]) written
-    through the block tables i32[B, max_pages] at positions i32[B], and the batch's state
-    fields at state rows slots i32[B]."""
+    """The pool with a decode batch's touched rows (touched_rows, batched [B, layers, ...])
+    written through the block tables i32[B, max_pages] at positions i32[B], and the
+    batch's state fields at state rows slots i32[B]."""
     out = []
-    for layer, new in zip(pool, rows):
+    for stack, new in zip(pool, rows):
         fields = {}
-        for name, array in layer.fields.items():
+        for name, array in stack.fields.items():
             f = field(name)
+            value = jnp.swapaxes(new[name], 0, 1).astype(array.dtype)  # [layers, B, ...]
             if f.is_state:
-                fields[name] = array.at[slots].set(new[name].astype(array.dtype))
+                fields[name] = array.at[:, slots].set(value)
                 continue
             rpp = rows_per_page(name, page_tokens, config)
             row = positions // f.stride(config)
             page = jnp.take_along_axis(tables, (row // rpp)[:, None], axis=1)[:, 0]
-            fields[name] = array.at[page * rpp + row % rpp].set(new[name].astype(array.dtype))
+            fields[name] = array.at[:, page * rpp + row % rpp].set(value)
         out.append(LayerCache(fields))
     return out
 
 
 def slot_state(pool, slots):
-    """The state fields of the requests in state rows slots i32[B] ({field: [B, ...]} per
-    layer)."""
-    return [{name: array[slots] for name, array in layer.fields.items()
-             if field(name).is_state} for layer in pool]
+    """The state fields of the requests in state rows slots i32[B] ({field: [B, layers,
+    ...]} per stack: the batch axis first, as the step's vmap takes it)."""
+    return [{name: jnp.swapaxes(array[:, slots], 0, 1) for name, array in stack.fields.items()
+             if field(name).is_state} for stack in pool]
 
 
 # ------------------------------------------------------------------ whole pages (prefill)
@@ -211,17 +221,17 @@ def write_pages(pool, cache, pages, slot, page_tokens, config):
     goes to SCRATCH), and the cache's state fields into state row `slot`."""
     n = pages.shape[0]
     out = []
-    for layer, src in zip(pool, cache):
+    for stack, src in zip(pool, cache):
         fields = {}
-        for name, array in layer.fields.items():
+        for name, array in stack.fields.items():
             f = field(name)
             rows = src.fields[name].astype(array.dtype)
             if f.is_state:
-                fields[name] = array.at[slot].set(rows)
+                fields[name] = array.at[:, slot].set(rows)
                 continue
             rpp = rows_per_page(name, page_tokens, config)
-            fields[name] = _paged(array, rpp).at[pages].set(
-                _paged(rows[:n * rpp], rpp)).reshape(array.shape)
+            fields[name] = _paged(array, rpp).at[:, pages].set(
+                _paged(rows[:, :n * rpp], rpp)).reshape(array.shape)
         out.append(LayerCache(fields))
     return out
 
@@ -231,13 +241,14 @@ def read_pages(pool, pages, capacity, page_tokens, config):
     (pages i32[capacity / P]: EMPTY where nothing is cached), state fields empty."""
     fresh = init_cache(config, capacity)
     out = []
-    for layer, empty in zip(pool, fresh):
+    for stack, empty in zip(pool, fresh):
         fields = {}
-        for name, array in layer.fields.items():
+        for name, array in stack.fields.items():
             if field(name).is_state:
                 fields[name] = empty.fields[name]
                 continue
             rpp = rows_per_page(name, page_tokens, config)
-            fields[name] = _paged(array, rpp)[pages].reshape(-1, *array.shape[1:])
+            fields[name] = _paged(array, rpp)[:, pages].reshape(array.shape[0], -1,
+                                                                *array.shape[2:])
         out.append(LayerCache(fields))
     return out

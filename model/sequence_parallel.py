@@ -106,34 +106,36 @@ class SequenceParallel:
         and block summaries are replicated, so each shard appends them locally)."""
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P()))
 
-    def write_rows(self, fields, rows, start):
+    def write_rows(self, view, rows, start):
         """A chunk's cache rows written into the sequence-split cache: each shard stores the
-        rows that fall in its positions (a plain dynamic_update_slice on a split axis would
-        make GSPMD gather the whole cache first).
+        rows that fall in its positions, at the layer of `view` (a model.layer_cache
+        LayerView over the stack), in place (a plain dynamic_update_slice on a split axis
+        would make GSPMD gather the whole cache first).
 
-        fields: {name: [C, ...]} per-token cache fields split as model.cache says; rows:
-        {name: [T, ...]} the chunk's, at positions start..start+T-1 -> {name: new field}."""
+        rows: {name: [T, ...]} the chunk's rows of per-token fields split as model.cache
+        says, at positions start..start+T-1 -> the updated view."""
         seq = self.sequence_axis
-        names = tuple(fields)
+        names = tuple(rows)
 
-        def body(start, *arrays):
+        def body(start, layer, *arrays):
             local, new = arrays[:len(names)], arrays[len(names):]
             out = []
             for cache_rows, new_rows in zip(local, new):
-                C_s = cache_rows.shape[0]
+                C_s = cache_rows.shape[1]
                 pos = start + jnp.arange(new_rows.shape[0]) - jax.lax.axis_index(seq) * C_s
                 pos = jnp.where((pos >= 0) & (pos < C_s), pos, C_s)  # C_s: dropped
-                out.append(cache_rows.at[pos].set(new_rows.astype(cache_rows.dtype),
-                                                  mode="drop"))
+                out.append(cache_rows.at[layer, pos].set(new_rows.astype(cache_rows.dtype),
+                                                         mode="drop"))
             return tuple(out)
 
         specs = tuple(field_spec(n) for n in names)
-        new_specs = tuple(P(None, *spec[1:]) for spec in specs)  # the chunk's rows, whole
-        fn = _shard_map(body, mesh=self.mesh, in_specs=(P(), *specs, *new_specs),
+        # the chunk's rows, whole
+        new_specs = tuple(P(None, *field_spec(n, stacked=False)[1:]) for n in names)
+        fn = _shard_map(body, mesh=self.mesh, in_specs=(P(), P(), *specs, *new_specs),
                         out_specs=specs, check_vma=False)
-        out = fn(jnp.asarray(start, jnp.int32), *(fields[n] for n in names),
-                 *(rows[n] for n in names))
-        return dict(zip(names, out))
+        out = fn(jnp.asarray(start, jnp.int32), jnp.asarray(view.index, jnp.int32),
+                 *(view.stack.fields[n] for n in names), *(rows[n] for n in names))
+        return view.with_stack(**dict(zip(names, out)))
 
     def select(self, config, layer, q_index, w_index, k_index, *, q_offset, summaries=None,
                screen=None):
@@ -205,6 +207,7 @@ class SequenceParallel:
             return combine_partials(logits, values, seq, scatter=scatter).astype(q.dtype)
 
         fn = _shard_map(body, mesh=self.mesh,
-                        in_specs=(P(None, ten, None), P(), *(field_spec(n) for n in names)),
+                        in_specs=(P(None, ten, None), P(),
+                                  *(field_spec(n, stacked=False) for n in names)),
                         out_specs=P(seq if scatter else None, ten, None), check_vma=False)
         return fn(q, indices, *(fields[n] for n in names))

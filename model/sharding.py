@@ -28,6 +28,7 @@ from model.parallel_flags import MESH_AXES, distributed_settings, parse_mesh
 # Logical dimension name -> mesh axis (None: replicated).
 LOGICAL_RULES = {
     "batch": "data",            # serving slots
+    "layers": None,             # a stack's layers (model.layer_stack): whole on every device
     "cache_seq": "sequence",    # positions of the KV cache
     "act_seq": "sequence",      # the queries (tokens) of a prefill chunk
     "heads": "tensor",          # query heads (flattened heads x head_dim in kernels)
@@ -157,19 +158,23 @@ def _path_str(path):
 
 def param_axes(path, ndim):
     """Logical axes of the parameter at `path` (a pytree key path); ValueError if no rule
-    matches (every parameter must have one)."""
+    matches (every parameter must have one). A stacked layer parameter (model.layer_stack:
+    "stacks/<s>/...") is its layer's rule after a leading "layers" axis."""
     name = _path_str(path)
+    stacked = name.startswith("stacks/")
+    if stacked:
+        ndim -= 1
     # The attention kinds' own parameters first (model.attention_kinds: each names its
     # axes), then the rest.
     kinds = tuple(rule for kind in ATTENTION_KINDS.values() for rule in kind.param_axes)
     for pattern, axes in kinds + PARAM_RULES:
         if re.search(pattern, name):
             if axes is None:
-                return (None,) * ndim
-            if len(axes) != ndim:
+                axes = (None,) * ndim
+            elif len(axes) != ndim:
                 raise ValueError(f"sharding rule {pattern!r} has {len(axes)} axes, parameter "
                                  f"{name} has {ndim} dimensions")
-            return axes
+            return ("layers", *axes) if stacked else tuple(axes)
     raise ValueError(f"no sharding rule for parameter {name}; add one to PARAM_RULES (or "
                      f"to its attention kind's param_axes)")
 

@@ -1,8 +1,10 @@
-"""The DSA decoder block and the Transformer, run over a per-layer KV + indexer-key cache.
+"""The DSA decoder block and the Transformer, run over a KV + indexer-key cache.
 
-`Transformer.__call__` is the model's only layer walk. What training, evaluation and
-benchmarks need from inside it is captured from that same pass (`capture=`), never
-recomputed by a copy of it.
+`Transformer.__call__` is the model's only layer walk: the layers' parameters and caches
+are stacked (model.layer_stack) and each segment of alike layers runs as one scan, so a
+step compiles one layer body per segment whatever the depth (model.layer_scan). What
+training, evaluation and benchmarks need from inside it is captured from that same pass
+(`capture=`), never recomputed by a copy of it.
 """
 
 from typing import NamedTuple
@@ -16,8 +18,16 @@ from indexer.module import CoarseScreen, LightningIndexer
 from indexer.selection import selection_kind
 from model.attention import dense_causal_attention, select_tokens
 from model.attention_kinds import attention_kind
-from model.cache import init_cache, token_rows, write_index, write_rows
+from model.cache import init_cache, token_rows, write_index
 from model.deepseek_v4.modules import HyperConnection
+from model.layer_scan import run_layers
+from model.layer_stack import (
+    from_layered,
+    layer_plan,
+    layer_slice,
+    stack_trees,
+    to_layered,
+)
 from model.layers import RMSNorm, SwiGLU
 from model.moe import MoE
 
@@ -81,12 +91,15 @@ class DecoderBlock(nnx.Module):
     A layer that is "shared" in config.indexer_types has no indexer (and no coarse screen):
     it attends to the selection the nearest earlier full layer hands it. DeepSeek-V4
     (config.v4): x is hc_mult streams [T, N, d_model] and each sum is a hyper-connection
-    (attn_hc, mlp_hc); its attention kinds run their own indexer (self_indexed)."""
+    (attn_hc, mlp_hc); its attention kinds run their own indexer (self_indexed).
+
+    `layer` fixes the block's structure (model.layer_stack.structure_key); a call names the
+    layer it runs as, whose per-layer switches (selection kind, budget, dense or sparse)
+    it reads: the Transformer stores one block per stack, with a leading layer axis."""
 
     def __init__(self, config, *, layer, rngs):
         dtype, param_dtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         self.config = config
-        self.layer = layer  # index in the stack, for the config's per-layer switches
         self.attn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         # The layer's attention kind (model.attention_kinds: GQA, MLA for V3.2 / GLM-5, or
         # V4's sliding / CSA / HCA), over the cache fields its entry names.
@@ -119,16 +132,19 @@ class DecoderBlock(nnx.Module):
                               rngs=rngs)
 
     def __call__(self, x, cache, start, kv_len, n_valid=None, capture=(), parallel=None,
-                 handoff=None, capture_rows=None, tokens=None):
-        """x: [T, d_model] (V4: [T, hc_mult, d_model]) at positions start.. ; keys read from
-        cache[:kv_len]; tokens: i32[T], the ids (a hash-routed MoE reads them).
+                 handoff=None, capture_rows=None, tokens=None, *, layer, stack_index=None):
+        """x: [T, d_model] (V4: [T, hc_mult, d_model]) at positions start.. ; cache: the
+        layer's model.layer_cache.LayerView, keys read up to kv_len; tokens: i32[T], the ids
+        (a hash-routed MoE reads them); layer: the layer this call runs (static), whose
+        per-layer switches apply; stack_index: None, or the layer's index in its stack when
+        the block's routed experts are the whole stack (model.layer_scan: read in place).
 
-        Returns (x_out, new_cache, captured, handoff): captured maps each kind in `capture`
-        (see CAPTURE_KINDS; checked by the Transformer) to this layer's value; handoff is
-        (IndexerInputs, indices or None, IndexerSource) of the selection this layer attended
-        to, which the following shared layers reuse (the `handoff` argument: ignored by a
-        full layer). capture_rows: None, or i32[R] rows of the T queries at which
-        "attention_target" is captured.
+        Returns (x_out, the view after its writes, captured, handoff): captured maps each
+        kind in `capture` (see CAPTURE_KINDS; checked by the Transformer) to this layer's
+        value; handoff is (IndexerInputs, indices or None, IndexerSource) of the selection
+        this layer attended to, which the following shared layers reuse (the `handoff`
+        argument: ignored by a full layer). capture_rows: None, or i32[R] rows of the T
+        queries at which "attention_target" is captured.
         kv_len is static; positions past start + T inside it hold stale or zero entries,
         which the causal mask hides. n_valid (traced is fine): only the first n_valid rows
         are real tokens (a padded prefill chunk); the rest are written to the key caches
@@ -143,19 +159,21 @@ class DecoderBlock(nnx.Module):
                 raise ValueError("a sequence-sharded cache (mesh sequence axis > 1) does not "
                                  "run DeepSeek-V4's attention yet")
             out, cache, captured = self.attn(h, cache, start, kv_len, n_valid, capture,
-                                             layer=self.layer)
+                                             layer=layer)
         else:
             out, cache, captured, handoff = self._dsa_attention(
-                h, cache, start, kv_len, n_valid, capture, parallel, handoff, capture_rows)
+                h, cache, start, kv_len, n_valid, capture, parallel, handoff, capture_rows,
+                layer)
         x = x + out if self.attn_hc is None else self.attn_hc.write(x, out, mixing)
         h, mixing = (x, None) if self.mlp_hc is None else self.mlp_hc.read(x)
         h = self.mlp_norm(h)
-        out = self.mlp(h, tokens) if isinstance(self.mlp, MoE) else self.mlp(h)
+        out = (self.mlp(h, tokens, layer=stack_index) if isinstance(self.mlp, MoE)
+               else self.mlp(h))
         x = x + out if self.mlp_hc is None else self.mlp_hc.write(x, out, mixing)
         return x, cache, captured, handoff
 
     def _dsa_attention(self, h, cache, start, kv_len, n_valid, capture, parallel, handoff,
-                       capture_rows):
+                       capture_rows, layer):
         """The DSA layer's attention of the normed input h [T, d_model]: its indexer, the
         selection and the sparse (or dense) read -> (out [T, d_model], cache, captured,
         handoff)."""
@@ -164,20 +182,19 @@ class DecoderBlock(nnx.Module):
         positions = start + jnp.arange(T)
         # A kind that ranks the attention itself (the oracle) selects once the layer has
         # read its keys, not from the indexer.
-        oracle = selection_kind(config.layer_indexer(self.layer)).scores == "attention"
+        oracle = selection_kind(config.layer_indexer(layer)).scores == "attention"
         if oracle and parallel is not None:
-            raise ValueError(f"ModelConfig.indexer {config.layer_indexer(self.layer)!r} ranks "
+            raise ValueError(f"ModelConfig.indexer {config.layer_indexer(layer)!r} ranks "
                              "dense attention and runs on one device only (no sequence axis)")
         q, rows, index_query = self.attn.project(h, positions)
         names = tuple(rows)
         if cache.pages is not None:  # a paged view: the new rows go back after the step
-            cache = cache.replace(**rows)
+            cache = cache.put(**rows)
         elif parallel is None:
-            cache = cache.replace(**{n: write_rows(cache.fields[n], r, start)
-                                     for n, r in rows.items()})
+            for n, r in rows.items():
+                cache = cache.write_rows(n, r, start)
         else:  # the cache is split over positions: each shard writes its own rows
-            cache = cache.replace(**parallel.write_rows(token_rows(cache, names, None), rows,
-                                                        start))
+            cache = parallel.write_rows(cache, rows, start)
         if self.indexer is None:
             inputs, indices, source = handoff
         else:
@@ -191,9 +208,9 @@ class DecoderBlock(nnx.Module):
             cache = write_index(cache, inputs.k, start,
                                 block_size=config.hierarchical.block_size, n_valid=n_valid)
             indices = None
-            if config.layer_needs_selection(self.layer) and not oracle:
+            if config.layer_needs_selection(layer) and not oracle:
                 select = select_tokens if parallel is None else parallel.select
-                indices = select(config, self.layer, inputs.q, inputs.w,
+                indices = select(config, layer, inputs.q, inputs.w,
                                  cache.k_index[:kv_len], q_offset=start,
                                  summaries=cache.summaries, screen=self.coarse_screen.params())
         captured = {}
@@ -202,9 +219,9 @@ class DecoderBlock(nnx.Module):
         if "indexer_input" in capture:
             captured["indexer_input"] = source
         scale = self.attn.scale
-        if config.layer_is_sparse(self.layer):
+        if config.layer_is_sparse(layer):
             if cache.pages is not None and not oracle:  # only the selected rows, by page
-                selected, local = cache.pages.selected(cache.fields, names, indices)
+                selected, local = cache.pages.selected(cache, names, indices)
                 keys, values = self.attn.read(selected)
                 out = pallas_kernels.sparse_attention(q, keys, values, local, scale=scale)
             elif parallel is None:
@@ -213,7 +230,7 @@ class DecoderBlock(nnx.Module):
                     # The oracle ranks this layer's own dense attention (its output unused).
                     _, target = dense_causal_attention(q, keys, values, q_offset=start,
                                                        scale=scale, return_head_sum=True)
-                    indices = selection_kind(config.layer_indexer(self.layer)).function(
+                    indices = selection_kind(config.layer_indexer(layer)).function(
                         target, config.top_k, q_offset=start)
                 out = pallas_kernels.sparse_attention(q, keys, values, indices, scale=scale)
             else:
@@ -234,24 +251,21 @@ class DecoderBlock(nnx.Module):
         return self.attn.output(out), cache, captured, (inputs, indices, source)
 
 
-def _block_call(block, x, cache, start, kv_len, n_valid, capture, parallel, handoff,
-                capture_rows, tokens):
-    return block(x, cache, start, kv_len, n_valid, capture, parallel, handoff, capture_rows,
-                 tokens)
-
-
-# Rematerialised block for training memory: one block's activations alive at a time.
-_remat_block_call = nnx.remat(_block_call, static_argnums=(4, 6, 7))
-
-
 class Transformer(nnx.Module):
+    """Embedding, the decoder layers stored as stacks (`stacks[s]`: one DecoderBlock whose
+    parameters carry a leading axis over the layers of stack s, model.layer_stack), the
+    final norm and head. `layer(i)` is a copy of layer i's block; `set_layer(i, block)`
+    writes one back."""
+
     def __init__(self, config, *, rngs):
         self.config = config
         dtype, param_dtype = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
         self.embed = nnx.Embed(config.vocab_size, config.d_model, dtype=dtype,
                                param_dtype=param_dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderBlock(config, layer=i, rngs=rngs)
-                                for i in range(config.n_layers)])
+        # Built layer by layer (the random draws of an unstacked model), then stacked.
+        blocks = [DecoderBlock(config, layer=i, rngs=rngs) for i in range(config.n_layers)]
+        self.stacks = nnx.List([_stacked([blocks[i] for i in layers])
+                                for layers in layer_plan(config).stacks])
         self.final_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         # DeepSeek-V4: the streams' final collapse before the norm
         self.hc_head = (HyperConnection(config, rngs=rngs, head=True)
@@ -261,33 +275,44 @@ class Transformer(nnx.Module):
                                       dtype=dtype, param_dtype=param_dtype,
                                       kernel_init=nnx.initializers.lecun_normal(), rngs=rngs)
 
+    def layer(self, i):
+        """Layer i's DecoderBlock with its own parameters (copies: to read or run one layer;
+        writes go through set_layer)."""
+        s, index = layer_plan(self.config).place[i]
+        graphdef, state = nnx.split(self.stacks[s])
+        return nnx.merge(graphdef, layer_slice(state, index))
+
+    def set_layer(self, i, block):
+        """Writes `block`'s variables (a DecoderBlock of layer i's structure, e.g. layer(i)
+        changed) into layer i of its stack."""
+        s, index = layer_plan(self.config).place[i]
+        stacked = dict(nnx.to_flat_state(nnx.state(self.stacks[s])))
+        for path, variable in nnx.to_flat_state(nnx.state(block)):
+            target = stacked[path]
+            target.set_value(target.get_value().at[index].set(
+                variable.get_value().astype(target.get_value().dtype)))
+
     def __call__(self, tokens, cache, start, kv_len, n_valid=None, *, capture=(), remat=False,
                  parallel=None, capture_rows=None):
         """tokens: i32[T] at positions start..start+T-1 -> (logits f32[T, V], new cache), or
         (logits, new cache, captured) when `capture` names kinds (CAPTURE_KINDS): captured
         maps each kind to a list over layers.
 
-        n_valid: the first n_valid tokens are real, the rest padding (default T).
-        remat: rematerialise each block in the backward pass (training memory).
-        capture_rows: None, or i32[R] rows of the T queries: "attention_target" only there.
-        parallel: None, or a model.sequence_parallel.SequenceParallel (sharded prefill and
-        decode over a mesh's sequence axis; see model.runner.ModelRunner(mesh=)).
+        cache: model.cache.init_cache's list over the stacks. n_valid: the first n_valid
+        tokens are real, the rest padding (default T). remat: rematerialise each segment's
+        unit of layers in the backward pass (training memory). capture_rows: None, or i32[R]
+        rows of the T queries: "attention_target" only there. parallel: None, or a
+        model.sequence_parallel.SequenceParallel (sharded prefill and decode over a mesh's
+        sequence axis; see model.runner.ModelRunner(mesh=)).
         """
         kinds = check_capture(self.config, capture)
-        call = _remat_block_call if remat else _block_call
         x = self.embed(tokens)
         if self.hc_head is not None:  # V4: the embedding starts every stream
             x = jnp.repeat(x[:, None, :], self.config.v4.hc_mult, axis=1)
-        new_cache = []
-        captured = {kind: [] for kind in kinds}
-        handoff = None
-        for layer, layer_cache in zip(self.layers, cache):
-            x, layer_cache, layer_captured, handoff = call(layer, x, layer_cache, start, kv_len,
-                                                           n_valid, kinds, parallel, handoff,
-                                                           capture_rows, tokens)
-            new_cache.append(layer_cache)
-            for kind in kinds:
-                captured[kind].append(layer_captured[kind])
+        x, new_cache, captured = run_layers(
+            self.config, [nnx.split(stack) for stack in self.stacks], x, list(cache),
+            dict(start=start, kv_len=kv_len, n_valid=n_valid, capture=kinds,
+                 parallel=parallel, capture_rows=capture_rows, tokens=tokens), remat=remat)
         h = self.final_norm(x if self.hc_head is None else self.hc_head.read(x)[0])
         logits = (self.embed.attend(h) if self.config.tie_embeddings
                   else self.lm_head(h)).astype(jnp.float32)
@@ -304,21 +329,37 @@ class Transformer(nnx.Module):
         return (out[0], out[2]) if capture else out[0]
 
 
+def _stacked(blocks):
+    """One DecoderBlock of the blocks' structure whose variables stack theirs."""
+    graphdef, _ = nnx.split(blocks[0])
+    return nnx.merge(graphdef, stack_trees([nnx.split(b)[1] for b in blocks]))
+
+
 def with_config(model, config):
     """The same weights under other run-time switches (attention, indexer, top_k,
-    rope_scaling, indexer_types...): a Transformer sharing `model`'s parameter arrays.
+    rope_scaling, indexer_types...): a Transformer sharing `model`'s parameter arrays
+    (when the switches leave the stacks of model.layer_stack as they are; a change of
+    indexer_types restacks the layers: copies).
 
     Making a layer "shared" drops its indexer (and coarse screen); making a shared layer
     full needs indexer weights `model` does not have: ValueError naming them."""
     other = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
     graphdef, wanted = nnx.split(other)
-    _, state = nnx.split(model)
-    have = dict(nnx.to_flat_state(state))
-    missing = [path for path, _ in nnx.to_flat_state(wanted) if path not in have]
+    wanted = dict(nnx.to_flat_state(wanted))
+    have = {path: v.get_value() for path, v in nnx.to_flat_state(nnx.state(model))}
+    restack = layer_plan(config).stacks != layer_plan(model.config).stacks
+    if restack:  # per layer, then stacked as `config` stacks them
+        have = to_layered(have, model.config)
+    needed = to_layered(dict.fromkeys(wanted), config, keys_only=True) if restack else wanted
+    missing = [path for path in needed if path not in have]
     if missing:
-        names = sorted({"/".join(map(str, path[:3])) for path in missing})
+        names = sorted({"/".join(map(str, path[:3])) for path in
+                        (to_layered(dict.fromkeys(missing), config, keys_only=True)
+                         if not restack else missing)})
         raise ValueError(f"with_config: the new config needs weights the model does not have "
                          f"({names}): a layer that is shared in the model's indexer_types "
                          "has no indexer to run")
-    kept = nnx.from_flat_state([(path, have[path]) for path, _ in nnx.to_flat_state(wanted)])
-    return nnx.merge(graphdef, kept)
+    if restack:
+        have = from_layered({path: have[path] for path in needed}, config)
+    return nnx.merge(graphdef, nnx.from_flat_state(
+        [(path, variable.replace(have[path])) for path, variable in wanted.items()]))

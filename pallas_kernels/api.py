@@ -267,11 +267,14 @@ def sparse_attention(q, k, v, indices, *, scale=None, backend=None):
 
 
 def grouped_matmul(lhs, rhs, group_sizes, *, rhs_scale=None, scale_block=None,
-                   out_dtype=None, implementation=None):
+                   out_dtype=None, stack_index=None, implementation=None):
     """lhs [M, K] rows sorted by group, rhs [G, K, N], group_sizes i32[G] (sum <= M) ->
     [M, N]: the rows of group g times rhs[g] (jax.lax.ragged_dot's contract; rows past the
     groups are zero). rhs_scale f32[G, ceil(K / scale_block[0]), ceil(N / scale_block[1])]:
-    rhs is block-scaled (FP8 e4m3 as released), read as stored by the GPU kernels."""
+    rhs is block-scaled (FP8 e4m3 as released), read as stored by the GPU kernels.
+    stack_index (traced is fine): rhs and rhs_scale are a stack of layers' experts
+    [S, G, ...] and layer stack_index is multiplied (the pallas kernel and the tile loop
+    read it in place; tokamax's kernels pass such calls on)."""
     return OPS["grouped_matmul"](lhs, rhs, group_sizes, rhs_scale=rhs_scale,
                                  scale_block=scale_block, out_dtype=out_dtype,
-                                 implementation=implementation)
+                                 stack_index=stack_index, implementation=implementation)

@@ -15,6 +15,12 @@ stack exists.
 The schedule (tile -> group, first row, group end) is computed in jnp from group_sizes; the
 grid has the static upper bound of ceil(M / block_m) + G tiles, and tiles past the last
 group exit at once. Rows past sum(group_sizes) are zero, as with ragged_dot.
+
+A stack of layers' experts (rhs [S, G, K, N] and `stack_index`: model.layer_stack stores a
+model's MoE layers so) is read in place by the kernel and the tile loop (the schedule's
+groups offset by stack_index x G into the flattened stack); the reference slices the
+layer out first (XLA then copies the layer's whole expert stack: 11.3 GB of
+DeepSeek-V3.2's FP8 experts per layer on one device).
 """
 
 import dataclasses
@@ -44,8 +50,25 @@ def dequantize_blocks(q, scale, block, dtype):
     return (q.astype(jnp.float32) * full).astype(dtype)
 
 
-def check_grouped_args(lhs, rhs, group_sizes, rhs_scale, scale_block):
-    """ValueError naming the argument when the shapes do not fit together."""
+def stack_layer(rhs, rhs_scale, stack_index):
+    """(rhs, rhs_scale) of layer stack_index of a stack ([S, G, ...]; None: as given)."""
+    if stack_index is None:
+        return rhs, rhs_scale
+    pick = lambda a: None if a is None else jax.lax.dynamic_index_in_dim(  # noqa: E731
+        a, stack_index, keepdims=False)
+    return pick(rhs), pick(rhs_scale)
+
+
+def check_grouped_args(lhs, rhs, group_sizes, rhs_scale, scale_block, stack_index=None):
+    """ValueError naming the argument when the shapes do not fit together (a stack
+    [S, G, K, N] with a stack_index is checked as its [G, K, N] layer)."""
+    if stack_index is not None:
+        if rhs.ndim != 4:
+            raise ValueError(f"grouped_matmul: with stack_index, rhs must be a stack "
+                             f"[S, G, K, N], got {rhs.shape}")
+        rhs = jax.ShapeDtypeStruct(rhs.shape[1:], rhs.dtype)
+        if rhs_scale is not None:
+            rhs_scale = jax.ShapeDtypeStruct(rhs_scale.shape[1:], rhs_scale.dtype)
     if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
         raise ValueError(f"grouped_matmul: lhs must be [M, K] and rhs [G, K, N], got lhs "
                          f"{lhs.shape} and rhs {rhs.shape}")
@@ -63,11 +86,13 @@ def check_grouped_args(lhs, rhs, group_sizes, rhs_scale, scale_block):
 
 
 def grouped_matmul_reference(lhs, rhs, group_sizes, *, rhs_scale=None, scale_block=None,
-                             out_dtype=None):
+                             out_dtype=None, stack_index=None):
     """lhs [M, K] (rows sorted by group), rhs [G, K, N], group_sizes i32[G] (sum <= M)
     -> [M, N]: rows of group g times rhs[g]; rows past the groups are zero. rhs_scale /
-    scale_block: rhs is block-scaled (FP8 e4m3 as released), dequantized first."""
-    check_grouped_args(lhs, rhs, group_sizes, rhs_scale, scale_block)
+    scale_block: rhs is block-scaled (FP8 e4m3 as released), dequantized first.
+    stack_index: rhs (and rhs_scale) are a stack [S, G, ...], its layer stack_index used."""
+    check_grouped_args(lhs, rhs, group_sizes, rhs_scale, scale_block, stack_index)
+    rhs, rhs_scale = stack_layer(rhs, rhs_scale, stack_index)
     out_dtype = out_dtype or lhs.dtype
     if rhs_scale is not None:
         rhs = dequantize_blocks(rhs, rhs_scale, scale_block, lhs.dtype)
@@ -140,24 +165,27 @@ def tile_work(group_sizes, block_m):
 
 
 def grouped_matmul_tiles(lhs, rhs, group_sizes, *, rhs_scale=None, scale_block=None,
-                         out_dtype=None, block_m=16):
+                         out_dtype=None, stack_index=None, block_m=16):
     """`grouped_matmul_reference` in plain XLA without densifying: a loop over the same row
     tiles as the kernel (tile_schedule), each a [block_m, K] x [K, N] product of one
     group's matrix, dequantized for that tile's group only. The loop runs its static bound
     of ceil(M / block_m) + G tiles, so its work is at most (M + G x block_m) rows: a GPU's
-    last resort before ragged_dot's dense product, and what the compile check counts."""
-    check_grouped_args(lhs, rhs, group_sizes, rhs_scale, scale_block)
+    last resort before ragged_dot's dense product, and what the compile check counts. A
+    stack (stack_index) is read in place, one group's matrix per tile."""
+    check_grouped_args(lhs, rhs, group_sizes, rhs_scale, scale_block, stack_index)
     M, K = lhs.shape
-    N = rhs.shape[2]
+    N = rhs.shape[-1]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     group, first, end = tile_schedule(group_sizes, M, block_m)
     lhs_p = pad_axis(lhs, 0, M + block_m)
+    at = (lambda a, g: a[g]) if stack_index is None else (  # noqa: E731
+        lambda a, g: a[stack_index, g])
 
     def tile(t, out):
         g, f = group[t], first[t]
-        w = rhs[g]
+        w = at(rhs, g)
         if rhs_scale is not None:
-            w = dequantize_blocks(w[None], rhs_scale[g][None], scale_block, lhs.dtype)[0]
+            w = dequantize_blocks(w[None], at(rhs_scale, g)[None], scale_block, lhs.dtype)[0]
         y = jnp.dot(jax.lax.dynamic_slice_in_dim(lhs_p, f, block_m), w.astype(lhs.dtype),
                     preferred_element_type=jnp.float32)
         keep = (f + jnp.arange(block_m) < end[t])[:, None]
@@ -215,16 +243,26 @@ def _kernel(group_ref, first_ref, end_ref, lhs_ref, rhs_ref, *rest, tiles, n_k, 
 @functools.partial(jax.jit, static_argnames=("scale_block", "out_dtype", "config",
                                              "interpret", "poison"))
 def grouped_matmul_pallas(lhs, rhs, group_sizes, *, rhs_scale=None, scale_block=None,
-                          out_dtype=None, config: GroupedMatmulConfig = DEFAULT_CONFIG,
-                          interpret=False, poison=None):
-    """Pallas version of `grouped_matmul_reference` (same arguments and result).
+                          out_dtype=None, stack_index=None,
+                          config: GroupedMatmulConfig = DEFAULT_CONFIG, interpret=False,
+                          poison=None):
+    """Pallas version of `grouped_matmul_reference` (same arguments and result). A stack
+    (stack_index) is read in place: flattened to [S G, K, N] (no copy), each tile's group
+    offset by stack_index x G.
 
     interpret: run under the Pallas interpreter (CPU tests). poison: a value written into
     the output buffer before the kernel runs (tests: every row of a group must be written).
     """
-    check_grouped_args(lhs, rhs, group_sizes, rhs_scale, scale_block)
+    check_grouped_args(lhs, rhs, group_sizes, rhs_scale, scale_block, stack_index)
+    offset = 0
+    if stack_index is not None:
+        G = rhs.shape[1]
+        offset = jnp.asarray(stack_index, jnp.int32) * G
+        rhs = rhs.reshape(-1, *rhs.shape[2:])
+        if rhs_scale is not None:
+            rhs_scale = rhs_scale.reshape(-1, *rhs_scale.shape[2:])
     M, K = lhs.shape
-    G, _, N = rhs.shape
+    G, N = group_sizes.shape[0], rhs.shape[2]
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     if M == 0 or N == 0:
         return jnp.zeros((M, N), out_dtype)
@@ -243,6 +281,7 @@ def grouped_matmul_pallas(lhs, rhs, group_sizes, *, rhs_scale=None, scale_block=
         rhs = jax.lax.bitcast_convert_type(rhs, jnp.uint8)
     rhs_p = pad_axis(pad_axis(rhs, 1, Kp), 2, Np)
     group, first, end = tile_schedule(group_sizes, M, bm)
+    group = group + offset  # into the flattened stack
     n_tiles = group.shape[0]
 
     args = [group, first, end, lhs_p, rhs_p]

@@ -24,10 +24,17 @@ def installed(name):
 
 
 def ragged_dot(name, lhs, rhs, group_sizes, *, rhs_scale=None, scale_block=None,
-               out_dtype=None):
-    """grouped_matmul_reference's contract through tokamax's kernel `name` (KERNELS)."""
+               out_dtype=None, stack_index=None):
+    """grouped_matmul_reference's contract through tokamax's kernel `name` (KERNELS).
+    A stack of layers' experts (stack_index) is passed on: tokamax takes one layer's
+    [G, K, N], which XLA would copy out of the stack first, and its grid spans every
+    group, so a flattened stack would multiply it by the layers."""
     import qwix
     import tokamax
+
+    if stack_index is not None:
+        raise NotImplementedError(f"{name}: a stack of layers' experts is read in place by "
+                                  "the pallas kernel")
 
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     if rhs_scale is not None:

@@ -245,7 +245,8 @@ class Engine:
         w = np.asarray(captured["indexer"].w)[layers][:, padded]
         deployed = np.asarray(captured["indices"])[[u for _, u in self.watched]][:, rel]
         flat = np.asarray(self._flat_rows(
-            tuple(cache[layer].k_index for layer in layers), q, w, padded + start,
+            tuple(layer_cache.layer_of(cache, self.config, layer).k_index for layer in layers),
+            q, w, padded + start,
             kv_len=min(self.capacity, length_bucket(end)), top_k=self.config.top_k))
         recall, iou = compare(layers, deployed, flat[:, :len(rel)])
         return ShadowRecord(tuple(positions.tolist()), tuple(layers), tuple(recall), tuple(iou),
@@ -372,13 +373,17 @@ class Engine:
 
     # ------------------------------------------------------------------ warm-up
 
-    def warmup(self, max_len):
+    def warmup(self, max_len, room=None):
         """Runs once every step shape that requests up to max_len tokens use: each prefill
         chunk shape, the batched decode step of every key-length bucket, sampling, the slot
         insert and the prefix cache's copies. Real calls on scratch data, not
         `jit.lower().compile()`: a first call with concrete arrays traces and lowers again
-        (about as long as the compile on CPU), so only a call warms the call path.
-        Returns the number of key-length buckets."""
+        (about as long as the compile on CPU), so only a call warms the call path. The
+        buckets go shortest first, each with its prefill steps and its decode steps; room:
+        None, or a callable that says False once the process must compile no more ahead
+        (serving.program_maps): the warm-up stops after the bucket in progress (the first
+        always runs), and longer buckets compile on first use.
+        Returns the number of key-length buckets warmed."""
         max_len = min(max_len, self.capacity)
         if max_len < 1:
             return 0
@@ -386,25 +391,40 @@ class Engine:
         shapes = prefill_shapes(max_len, capacity=self.capacity,
                                 chunk=self.config.prefill_chunk)
         scratch = Prefill(np.zeros(1, np.int32), self._fresh_cache(), 0, 0)
-        for padded, kv_len in shapes:
-            scratch.tokens = np.zeros(kv_len, np.int32)
-            scratch.position = kv_len - padded
-            self.prefill_step(scratch, None)
-            if self.shadow is not None:  # the capturing step and the flat re-selection
-                scratch.position = kv_len - padded
-                rows = min(self.shadow.rows, padded)
-                self.prefill_step(scratch, np.arange(kv_len - rows, kv_len), charge=False)
         kv_buckets = sorted({kv_len for _, kv_len in shapes})
-        for kv_len in kv_buckets:
-            self.decode({0: (0, kv_len - 1, Sampling(), 0)})  # slot 0 is overwritten on use
+        warmed = []
+        for kv_bucket in kv_buckets:
+            if warmed and room is not None and not room():
+                log.warning("warm-up stopped at %d of %d key-length buckets (up to %d tokens): "
+                            "the process nears its memory-map cap (docs/serving.md, "
+                            "\"Compiled programs and vm.max_map_count\"); longer prompts "
+                            "compile on first use", len(warmed), len(kv_buckets), warmed[-1])
+                break
+            for padded, kv_len in shapes:
+                if kv_len != kv_bucket:
+                    continue
+                scratch.tokens = np.zeros(kv_len, np.int32)
+                scratch.position = kv_len - padded
+                self.prefill_step(scratch, None)
+                if self.shadow is not None:  # the capturing step and the flat re-selection
+                    scratch.position = kv_len - padded
+                    rows = min(self.shadow.rows, padded)
+                    self.prefill_step(scratch, np.arange(kv_len - rows, kv_len), charge=False)
+            self._warm_decode(kv_bucket)
+            warmed.append(kv_bucket)
         self.first_token(scratch, Sampling())
         if self.prefix_cache is not None and self.prefix_cache.enabled:
             P = self.prefix_cache.block_tokens
             for padded in sorted({min(self.capacity, length_bucket(n))
-                                  for n in range(P, max_len + 1, P)}):
+                                  for n in range(P, min(max_len, warmed[-1]) + 1, P)}):
                 prefix = self._take_prefix(scratch.cache, padded, self.config)
                 state = (self._commit_state(jax.device_get(self._take_state(scratch.cache)))
                          if self.stateful else None)
                 self._with_prefix(self._commit_prefix(jax.device_get(prefix)), state)
         self.insert(0, scratch)
-        return len(kv_buckets)
+        return len(warmed)
+
+    def _warm_decode(self, kv_len):
+        """The decode steps of key length kv_len (a step of every batch size the engine
+        runs)."""
+        self.decode({0: (0, kv_len - 1, Sampling(), 0)})  # slot 0 is overwritten on use

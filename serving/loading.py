@@ -134,6 +134,7 @@ def build_engines(cfg, mesh=None, *, loader=None):
     Every process of a sharded server runs this, in the same order: the warm-up's steps
     are collectives on a mesh that spans processes."""
     from model import with_config
+    from serving import program_maps
     from serving.engine import Engine
     from serving.paged_engine import PagedEngine
     from serving.prefix_cache import PrefixCache
@@ -159,6 +160,7 @@ def build_engines(cfg, mesh=None, *, loader=None):
                          cfg.canary.shadow_rate_for(canary.config)))
     engines = []
     warm = max_context if cfg.warmup_max_context is None else cfg.warmup_max_context
+    maps = program_maps.budget()
     for index, (net, slots, rate) in enumerate(variants):
         cache = PrefixCache(cfg.cache_block_tokens, max_blocks=cfg.cache_size,
                             max_bytes=cfg.cache_bytes)
@@ -177,12 +179,15 @@ def build_engines(cfg, mesh=None, *, loader=None):
                             prefill_chunk=cfg.prefill_chunk, prefix_cache=cache, mesh=mesh,
                             shadow=shadow)
         t0 = time.perf_counter()
-        buckets = engine.warmup(min(warm, max_context))
-        log.info("warm-up of %s: compiled %d key-length buckets up to %d tokens in %.1f s%s%s",
-                 "the canary" if index else "the baseline", buckets, min(warm, max_context),
-                 time.perf_counter() - t0,
+        # Each side may warm up to its share of what the warm-up may hold of the process's
+        # memory-map cap (serving.program_maps), the baseline first.
+        buckets = engine.warmup(min(warm, max_context),
+                                room=maps.warm_room_for(index + 1, len(variants)))
+        log.info("warm-up of %s: compiled %d key-length buckets up to %d tokens in %.1f s%s%s; "
+                 "the process holds %d memory mappings of %d", "the canary" if index else
+                 "the baseline", buckets, min(warm, max_context), time.perf_counter() - t0,
                  f", shadow recall at rate {engine.shadow.rate:g}" if engine.shadow else "",
-                 "" if mesh is None else f" on mesh {dict(mesh.shape)}")
+                 "" if mesh is None else f" on mesh {dict(mesh.shape)}", *maps.usage())
         engines.append(engine)
     return engines, loaded, max_context
 

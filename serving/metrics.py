@@ -146,6 +146,15 @@ class Metrics:
         self.rollout_changes = prom.Counter(
             "dosa_rollout_changes", "Rollout changes (promote, rollback, set_share, "
             "guard_rollback).", ["action"], registry=reg)
+        self.memory_maps = prom.Gauge(
+            "dosa_memory_maps", "Memory mappings the server process holds (held; compiled "
+            "programs hold most) and the kernel's cap on them (cap: vm.max_map_count), as "
+            "of the last compile (serving.program_maps).", ["kind"], registry=reg)
+        self.program_drops = prom.Counter(
+            "dosa_compiled_program_drops", "Times the server dropped its compiled programs "
+            "to stay under the memory-map cap (each compiles again on its next use).",
+            registry=reg)
+        self._drops_counted = 0
         self._init_version()
 
     def _init_version(self):
@@ -194,6 +203,14 @@ class Metrics:
         """A PagePool's counts (serving.page_pool.PagePool.counts)."""
         for state, n in counts.items():
             self.cache_pages.labels(state=state, **self.labels).set(n)
+
+    def set_memory_maps(self, held, cap, drops):
+        """serving.program_maps.MapBudget's figures (a process's, not a side's)."""
+        self.memory_maps.labels(kind="held").set(held)
+        self.memory_maps.labels(kind="cap").set(cap)
+        if drops > self._drops_counted:
+            self.program_drops.inc(drops - self._drops_counted)
+            self._drops_counted = drops
 
     def finished(self, status):
         self.requests.labels(status=str(status), **self.labels).inc()

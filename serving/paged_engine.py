@@ -209,17 +209,13 @@ class PagedEngine(Engine):
 
     # ------------------------------------------------------------------ warm-up
 
-    def warmup(self, max_len):
-        """The Engine's warm-up, then the decode step of every batch size and key-length
-        bucket and the page copies of every length."""
-        buckets = super().warmup(max_len)
+    def warmup(self, max_len, room=None):
+        """The Engine's warm-up (every batch size's decode step per key-length bucket:
+        _warm_decode), then the page copies of every length it warmed."""
+        buckets = super().warmup(max_len, room)
         max_len = min(max_len, self.capacity)
         if max_len < 1:
             return buckets
-        kv_lens = sorted({min(self.capacity, length_bucket(n)) for n in range(1, max_len + 1)})
-        for size in batch_buckets(self.max_running)[1:]:
-            for kv_len in kv_lens:
-                self.decode({slot: (0, kv_len - 1, Sampling(), 0) for slot in range(size)})
         scratch = self._fresh_cache()
         for n in sorted({min(self.width, length_bucket(-(-k // self.page_tokens)))
                          for k in range(1, max_len + 1)}):
@@ -229,3 +225,7 @@ class PagedEngine(Engine):
             ids = jnp.full(self.width, EMPTY, jnp.int32)
             self._read(self.pool, ids, self.capacity, self.page_tokens, self.config)
         return buckets
+
+    def _warm_decode(self, kv_len):
+        for size in batch_buckets(self.max_running):
+            self.decode({slot: (0, kv_len - 1, Sampling(), 0) for slot in range(size)})

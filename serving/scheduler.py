@@ -21,6 +21,7 @@ import traceback
 
 import numpy as np
 
+from serving import program_maps
 from serving.engine import Sampling
 from serving.hosts import HostLostError
 from serving.metrics import indexer_prefill_share
@@ -169,6 +170,9 @@ class Scheduler:
                 self._turn()
             except Exception:  # keep serving; the turn's requests got their error
                 log.error("engine turn failed:\n%s", traceback.format_exc())
+            # Between turns, nothing in flight: the compiled programs may be dropped here
+            # when they near the process's memory-map cap (serving.program_maps).
+            program_maps.budget().check()
             self._update_gauges()
 
     def _turn(self):
@@ -368,6 +372,8 @@ class Scheduler:
     def _update_gauges(self):
         if self.metrics is None:
             return
+        maps = program_maps.budget()
+        self.metrics.set_memory_maps(*maps.usage(), maps.drops)
         prefilling = self.prefilling[0].variant if self.prefilling is not None else None
         waiting = list(self.waiting) + list(self._incoming)
         for variant, metrics in enumerate(self.metrics_of):

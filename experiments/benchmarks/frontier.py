@@ -365,7 +365,7 @@ def main(argv=None):
               f"({time.monotonic() - t0:.0f} s)", flush=True)
         per_layer, selections = [], []
         for i, (q, w, k) in enumerate(layers):
-            screen = model.layers[i].coarse_screen.params()
+            screen = model.layer(i).coarse_screen.params()
             res, kept = bench_layer(jnp.asarray(q), jnp.asarray(w), jnp.asarray(k), top_k,
                                     L - n, runs, screen, args)
             per_layer.append(res)

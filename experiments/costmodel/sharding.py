@@ -49,17 +49,66 @@ _OP = re.compile(r"=\s*(.*?)\s+(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%([\w.\-]+)\s*\(")
+_CALLED = re.compile(r"\b(body|condition|to_apply|calls)=%([\w.\-]+)")
+_CALLED_LIST = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+
+
 def hlo_collectives(text):
     """{kind: bytes} summed over the collectives of compiled HLO text (result sizes per
-    device; async -start/-done pairs counted once)."""
-    out = dict.fromkeys(COLLECTIVES, 0)
+    device; async -start/-done pairs counted once), each counted as many times as it runs:
+    a collective in a while loop's body (a scan over layers, model.layer_stack) times the
+    loop's known trip count. ValueError for a loop around collectives whose trip count
+    XLA did not record."""
+    bodies, entry, name = {}, None, None
     for line in text.splitlines():
-        m = _OP.search(line)
-        if not m:
-            continue
-        for dtype, dims in _ARRAY.findall(m.group(1)):
-            n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
-            out[m.group(2)] += n * DTYPE_BYTES.get(dtype, 4)
+        m = _COMPUTATION.match(line)
+        if m:
+            name = m.group(1)
+            bodies[name] = []
+            if line.startswith("ENTRY"):
+                entry = name
+        elif name is not None:
+            bodies[name].append(line)
+    own = {}
+    calls = {}  # computation -> [(callee, factor or None: unknown trip count)]
+    for comp, lines in bodies.items():
+        totals = dict.fromkeys(COLLECTIVES, 0)
+        for line in lines:
+            m = _OP.search(line)
+            if m:
+                for dtype, dims in _ARRAY.findall(m.group(1)):
+                    n = math.prod(int(d) for d in dims.split(",") if d) if dims else 1
+                    totals[m.group(2)] += n * DTYPE_BYTES.get(dtype, 4)
+            trip = _TRIP_COUNT.search(line)
+            for kind, callee in _CALLED.findall(line):
+                factor = 1
+                if kind == "body":
+                    factor = int(trip.group(1)) if trip else None
+                calls.setdefault(comp, []).append((callee, factor))
+            for group in _CALLED_LIST.findall(line):
+                calls.setdefault(comp, []).extend(
+                    (c.strip().lstrip("%"), 1) for c in group.split(",") if c.strip())
+        own[comp] = totals
+    out = dict.fromkeys(COLLECTIVES, 0)
+
+    def visit(comp, times):
+        if comp not in own:
+            return
+        for kind, size in own[comp].items():
+            out[kind] += size * times
+        for callee, factor in calls.get(comp, ()):
+            if factor is None:
+                if any(own.get(callee, {}).values()):
+                    raise ValueError(f"hlo_collectives: loop body {callee} holds collectives "
+                                     "and XLA recorded no trip count for it")
+                factor = 1
+            visit(callee, times * factor)
+
+    if entry is None:
+        raise ValueError("hlo_collectives: no ENTRY computation in the HLO text")
+    visit(entry, 1)
     return out
 
 

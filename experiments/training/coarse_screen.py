@@ -152,8 +152,9 @@ def main(argv=None):
     hier_mean = config.hierarchical.replace(coarse="mean", coarse_mass=None, exact=False)
     hier_learned = hier_mean.replace(coarse="learned")
     layers_log = []
-    with ProgressBar("layers", total=len(model.layers)) as bar:
-        for i, block in enumerate(model.layers):
+    with ProgressBar("layers", total=model.config.n_layers) as bar:
+        for i in range(model.config.n_layers):
+            block = model.layer(i)
             examples = [e[:5] for e in train[i]]
             init = block.coarse_screen.params()
             identity = init.scales  # the untrained screen is the mean screen
@@ -204,6 +205,7 @@ def main(argv=None):
             block.coarse_screen.scales[...] = scales
             block.coarse_screen.log_temperature[...] = log_t
             block.coarse_screen.mean_log_temperature[...] = mean_log_t
+            model.set_layer(i, block)  # `block` is layer i's copy: write it back
             bar.advance()
     record = dict(
         command=recorded_command("experiments.training.coarse_screen", argv),

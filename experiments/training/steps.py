@@ -141,7 +141,7 @@ def cached_indexer_kl_loss(model, window):
     query_hidden = window.get("query_hidden")
     outputs = {}
     for slot, layer in enumerate(full):
-        outputs[layer] = model.layers[layer].indexer(
+        outputs[layer] = model.layer(layer).indexer(
             window["hidden"][slot].astype(dtype), positions, query_rows=rows,
             query_hidden=None if query_hidden is None else query_hidden[slot].astype(dtype))
     kls = []

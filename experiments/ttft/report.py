@@ -7,7 +7,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 COLUMNS = ("tokens", "mode", "TTFT ms (min; median [max])", "indexer ms", "attention ms",
            "other ms", "indexer share", "decode ms/step", "scored share", "recall", "IoU",
-           "top-1 vs ref", "KL vs ref", "top-1 vs dense", "KL vs dense", "ppl vs dense")
+           "top-1 vs ref", "KL vs ref", "top-1 vs dense", "KL vs dense", "ppl vs dense",
+           "compile s")
 
 
 def _f(value, fmt):
@@ -32,7 +33,8 @@ def row_cells(r):
             _f(r.get("scored_share"), ".3f"),
             _f(r["recall"], ".4f"), _f(r["iou"], ".4f"), _f(r["top1_agreement"], ".4f"),
             _f(r["logit_kl"], ".4f"), _f(r.get("top1_agreement_vs_dense"), ".4f"),
-            _f(r.get("logit_kl_vs_dense"), ".4f"), _pct(r.get("perplexity_vs_dense"))]
+            _f(r.get("logit_kl_vs_dense"), ".4f"), _pct(r.get("perplexity_vs_dense")),
+            _f(r.get("compile_s"), ".1f")]
 
 
 def comparison_line(c):
@@ -75,13 +77,22 @@ def _rounds(cfg):
                    if cfg.get("split", True) else "; ratios from each row's fastest run")
 
 
+def _compile_text(summary):
+    """The study's XLA compiles (counted by jax.monitoring), for the report's header."""
+    c = summary.get("compiles")
+    if not c or c.get("seconds") is None:
+        return ""
+    return f", of which {c['seconds']:.0f} s in {c['total']} XLA compiles"
+
+
 def markdown(results):
     cfg, env = results["config"], results["env"]
     lines = ["# dosa TTFT study", "",
              f"Command: `{results['command']}`", "",
              f"Model: {results['model']}. "
              f"Device: {env['device']} ({env['backend']}, jax {env['jax']}). "
-             f"Repetitions: {_rounds(cfg)}; wall time {results['wall_s']:.0f} s.", "",
+             f"Repetitions: {_rounds(cfg)}; wall time {results['wall_s']:.0f} s"
+             + _compile_text(results["summary"]) + ".", "",
              summary_line(results["summary"]), ""]
     if results["random_weights"]:
         lines += ["Random weights: timing only; no fidelity figures.", ""]

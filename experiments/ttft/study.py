@@ -222,11 +222,13 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
     counts = {"programs": 0, "compiles_before_timing": 0, "compiles_while_timed": 0,
               "compiles_harvest": 0}
     timers, runs, by_timer = {}, {}, {}  # by_timer: id(a mode's TimedPrefill) -> its name
+    compile_s = {}  # mode -> XLA compile seconds of its prefill programs at this length
 
     def make(name):  # a mode's TimedPrefill, compiled (None: it does not fit)
         spec, prefill = planned.modes[name]
         if progress:
             progress(f"{length} tokens, {name}: compiling")
+        compiles.take_seconds()
         try:
             runner = ModelRunner(with_config(model, prefill.config))
             timer = TimedPrefill(runner, tokens, prefill)
@@ -243,6 +245,7 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
             return None
         timers[name], by_timer[id(timer)] = (spec, prefill.config, timer), name
         counts["programs"] += timer.programs
+        compile_s[name] = compiles.take_seconds()
         return timer
 
     def make_baseline(key, prefill):
@@ -316,15 +319,18 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
     for name, (spec, config, timer) in timers.items():
         if name not in timed:
             runs[name].row = untimed_row(spec, config, length)
+            runs[name].row["compile_s"] = round(compile_s.get(name, 0.0), 2)
             log(f"{length:>7} {spec.name:<22} run once, untimed (fidelity only)")
             continue
         runs[name].row = row = mode_row(spec, config, timer, runs[name], baselines)
+        row["compile_s"] = round(compile_s.get(name, 0.0), 2)
         # The length's timing per mode (decode steps within; with one repetition, compiles too).
         row["wall_s"] = wall / len(timed)
         t = row["ttft_ms"]
         share = row["indexer_share"]  # None without a split
         log(f"{length:>7} {spec.name:<22} TTFT min {t['min']:9.1f} ms, median "
-            f"{t['median']:9.1f} ms" + ("" if share is None else f" (indexer share {share:.2f})"))
+            f"{t['median']:9.1f} ms" + ("" if share is None else f" (indexer share {share:.2f})")
+            + f"; compiled in {row['compile_s']:.1f} s")
     order = sorted(run.modes, key=lambda m: m.name != run.reference)
     rows = [skipped[m.name] if m.name in skipped else runs[m.name].row for m in order]
     return runs, rows, counts
@@ -336,6 +342,7 @@ def run_study(run, model, heldout_tokens, *, random_weights, progress=None, log=
     compiles per length (before timing, while timed: 0) and in all (the persistent
     compilation cache's hits are not compiles)."""
     rows, compiles, counts = [], CompileCounter(), {}
+    compiles.take_seconds()
     for length in run.lengths:
         tokens = eval_sequence(heldout_tokens, length)
         runs, length_rows, counts[length] = _time_length(run, model, tokens, compiles,
@@ -348,7 +355,8 @@ def run_study(run, model, heldout_tokens, *, random_weights, progress=None, log=
     result = summary(run, rows)
     result["compiles"] = {"per_length": {str(L): c for L, c in counts.items()},
                           "total": sum(v for c in counts.values() for k, v in c.items()
-                                       if k.startswith("compiles"))}
+                                       if k.startswith("compiles")),
+                          "seconds": round(compiles.seconds, 1)}
     return rows, result
 
 

@@ -170,7 +170,7 @@ class V4Attention(nnx.Module):
         q, kv, q_residual = attention.project(x, w(self.wq_a), self.q_norm[...], w(self.wq_b),
                                               w(self.wkv), self.kv_norm[...], cos, sin,
                                               n_heads=c.n_heads, eps=c.norm_eps)
-        window = cache.fields["window"]
+        window = cache.read("window")
         keys = jnp.concatenate([_ring_read(window, start, W).astype(kv.dtype), kv])
         new = {"window": _ring_write(window, keys, start, n_valid)}
         blocks = attention.window_blocks(keys, start, W)
@@ -178,11 +178,11 @@ class V4Attention(nnx.Module):
         if self.ratio:
             name = self.KIND
             entries, new[f"{name}_tail_kv"], new[f"{name}_tail_gate"] = self.compressor(
-                x, cache.fields[f"{name}_tail_kv"], cache.fields[f"{name}_tail_gate"], start,
+                x, cache.read(f"{name}_tail_kv"), cache.read(f"{name}_tail_gate"), start,
                 n_valid, self.rope, c.norm_eps)
             first_window = start // self.ratio
-            stored = _write_entries(cache.fields[f"{name}_entries"], entries, first_window)
-            new[f"{name}_entries"] = stored
+            cache = _write_entries(cache, f"{name}_entries", entries, first_window)
+            stored = cache.read(f"{name}_entries")
             rows = -(-kv_len // self.ratio)
             if self.indexer is None or c.attention == "dense":  # every whole entry
                 seen = compressor.visible_entries(positions, self.ratio)
@@ -190,18 +190,18 @@ class V4Attention(nnx.Module):
                           jnp.arange(rows)[None, :] < seen[:, None])
             if self.indexer is not None:
                 index_entries, new["csa_index_tail_kv"], new["csa_index_tail_gate"] = \
-                    self.indexer.compressor(x, cache.fields["csa_index_tail_kv"],
-                                            cache.fields["csa_index_tail_gate"], start,
+                    self.indexer.compressor(x, cache.read("csa_index_tail_kv"),
+                                            cache.read("csa_index_tail_gate"), start,
                                             n_valid, self.rope, c.norm_eps)
-                index_keys = _write_entries(cache.fields["csa_index_entries"], index_entries,
-                                            first_window)
-                new["csa_index_entries"] = index_keys
+                cache = _write_entries(cache, "csa_index_entries", index_entries, first_window)
+                index_keys = cache.read("csa_index_entries")
                 # Summaries count whole entries only: a provisional one is rewritten later.
-                summaries = refresh(_summaries(cache), index_keys, first_window,
-                                    index_entries.shape[0], (start + n_valid) // self.ratio,
-                                    block_size=c.hierarchical.block_size)
-                new.update({CSA_SUMMARY_PREFIX + n: v
-                            for n, v in summaries._asdict().items()})
+                cache = cache.update_summaries(
+                    lambda sums, index: refresh(
+                        sums, index_keys, first_window, index_entries.shape[0],
+                        (start + n_valid) // self.ratio, block_size=c.hierarchical.block_size,
+                        layer=index), prefix=CSA_SUMMARY_PREFIX)
+                summaries = _summaries(cache)
                 if c.attention == "sparse":
                     iq, iw = self.indexer.queries(q_residual, x, cos, sin)
                     chosen = select_tokens(c, layer, iq, iw, index_keys[:rows].astype(iq.dtype),
@@ -214,19 +214,20 @@ class V4Attention(nnx.Module):
         if "indices" in capture:
             captured["indices"] = (chosen if chosen is not None
                                    else jnp.full((T, c.top_k), -1, jnp.int32))
-        return out, cache.replace(**new), captured
+        return out, cache.put(**new), captured
 
 
 def _summaries(cache):
-    return BlockSummaryCache(**{n: cache.fields[CSA_SUMMARY_PREFIX + n]
-                                for n in SUMMARY_LAYOUT})
+    return BlockSummaryCache(**{n: cache.read(CSA_SUMMARY_PREFIX + n) for n in SUMMARY_LAYOUT})
 
 
-def _write_entries(stored, entries, first_window):
-    """stored with rows first_window.. replaced by entries; rows past the cache dropped
-    (a chunk's provisional windows beyond its capacity)."""
+def _write_entries(cache, name, entries, first_window):
+    """The layer's view (model.layer_cache.LayerView) with rows first_window.. of field
+    `name` replaced by entries, in place; rows past the cache dropped (a chunk's
+    provisional windows beyond its capacity)."""
     rows = first_window + jnp.arange(entries.shape[0])
-    return stored.at[rows].set(entries.astype(stored.dtype), mode="drop")
+    return cache.update(name, lambda stored, index: stored.at[index, rows].set(
+        entries.astype(stored.dtype), mode="drop"))
 
 
 class SlidingAttention(V4Attention):

@@ -12,15 +12,11 @@ import numpy as np
 from flax import nnx
 
 from model.config import ModelConfig
+from model.layer_stack import assign_named, named_values
 from model.pretrained.llama import PretrainedFormatError
 
 WEIGHTS_FILE, META_FILE = "indexer.safetensors", "dsa.json"
 INDEXER_PARAMS = nnx.All(nnx.Param, nnx.PathContains("indexer"))
-
-
-def _flat(model):
-    state = nnx.to_flat_state(nnx.state(model, INDEXER_PARAMS))
-    return {".".join(str(p) for p in path): var for path, var in state}
 
 
 def has_indexer_weights(directory):
@@ -35,7 +31,8 @@ def save_indexer_weights(directory, model, *, base, metadata=None, config=None):
 
     directory = pathlib.Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    arrays = {name: np.asarray(var[...], np.float32) for name, var in _flat(model).items()}
+    arrays = {name: np.asarray(value, np.float32)
+              for name, value in named_values(model, INDEXER_PARAMS).items()}
     save_file(arrays, str(directory / WEIGHTS_FILE))
     meta = dict(config=(config or model.config).to_dict(), base=base, metadata=metadata or {})
     (directory / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
@@ -60,11 +57,11 @@ def load_indexer_weights(directory, model):
         arrays = load_file(str(path))
     except Exception as e:
         raise PretrainedFormatError(f"{path}: not a readable safetensors file ({e})") from e
-    for name, var in _flat(model).items():
+    for name, value in named_values(model, INDEXER_PARAMS).items():
         if name not in arrays:
             raise PretrainedFormatError(f"{path}: indexer parameter {name} is missing")
-        if arrays[name].shape != var[...].shape:
+        if arrays[name].shape != value.shape:
             raise PretrainedFormatError(f"{path}: indexer parameter {name} has shape "
-                                        f"{arrays[name].shape}, the model needs {var[...].shape}")
-        var[...] = arrays[name].astype(var[...].dtype)
+                                        f"{arrays[name].shape}, the model needs {value.shape}")
+    assign_named(model, INDEXER_PARAMS, arrays)
     return model

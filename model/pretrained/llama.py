@@ -85,7 +85,8 @@ def build_transformer(config, read_tensor, *, source, seed=0):
 
     Every tensor's shape is checked against the config (PretrainedFormatError naming
     `source` and the tensor)."""
-    from model.transformer import Transformer  # local: model/__init__ imports this package
+    from model import layer_stack  # local: model/__init__ imports this package
+    from model.transformer import Transformer
 
     hp_shapes = hf_tensor_shapes(config_hparams(config))
 
@@ -104,16 +105,23 @@ def build_transformer(config, read_tensor, *, source, seed=0):
     _set(model.final_norm.scale, tensor("model.norm.weight"), jnp.float32)
     if not config.tie_embeddings:
         _set(model.lm_head.kernel, tensor("lm_head.weight").T, dtype)
-    for i, block in enumerate(model.layers):
+    layered = {}  # per-layer parameter path -> host array, stacked once at the end
+    for i in range(config.n_layers):
         p = f"model.layers.{i}."
-        _set(block.attn_norm.scale, tensor(p + "input_layernorm.weight"), jnp.float32)
-        _set(block.mlp_norm.scale, tensor(p + "post_attention_layernorm.weight"), jnp.float32)
+
+        def put(path, array, dtype, i=i):
+            layered[("layers", i, *path)] = np.asarray(array, dtype)
+
+        put(("attn_norm", "scale"), tensor(p + "input_layernorm.weight"), np.float32)
+        put(("mlp_norm", "scale"), tensor(p + "post_attention_layernorm.weight"), np.float32)
         for ours, theirs in (("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"),
                              ("wo", "o_proj")):
-            _set(getattr(block.attn, ours).kernel, tensor(p + f"self_attn.{theirs}.weight").T,
-                 dtype)
+            put(("attn", ours, "kernel"), tensor(p + f"self_attn.{theirs}.weight").T, dtype)
         for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-            _set(getattr(block.mlp, ours).kernel, tensor(p + f"mlp.{theirs}.weight").T, dtype)
+            put(("mlp", ours, "kernel"), tensor(p + f"mlp.{theirs}.weight").T, dtype)
+    variables = dict(nnx.to_flat_state(nnx.state(model)))
+    for path, value in layer_stack.from_layered(layered, config).items():
+        variables[path].set_value(jnp.asarray(value))
     return model
 
 

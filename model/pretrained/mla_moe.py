@@ -11,15 +11,15 @@ checkpoints carry one multi-token-prediction layer past num_hidden_layers
 import dataclasses
 from collections.abc import Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from indexer.config import YarnConfig
 from indexer.module import CoarseScreen
 from model.architecture import MLAConfig, MoEConfig
+from model.attention_kinds import attention_kind
 from model.config import ModelConfig
+from model.layer_stack import LayerwiseFill
 from model.pretrained.llama import PretrainedFormatError
 from model.transformer import Transformer
 
@@ -221,20 +221,11 @@ def build_dsa_transformer(config, read_tensor, *, source, names, mesh=None, read
         raise PretrainedFormatError(f"{source}: tensors missing from the checkpoint: "
                                     f"{missing[:8]}{' ...' if len(missing) > 8 else ''}")
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
-    flat = dict(nnx.to_flat_state(state))
-    specs = dict(nnx.to_flat_state(sharding.param_specs(state))) if mesh is not None else {}
-
-    def place(path, host):
-        variable = flat[path]
-        host = np.asarray(host, variable.dtype)
-        if mesh is None:
-            value = jnp.asarray(host)
-        else:
-            target = jax.sharding.NamedSharding(mesh, specs[path].get_value())
-            value = jax.make_array_from_callback(host.shape, target, lambda idx: host[idx])
-        # Transfers are asynchronous: wait for each, so that the host copies of pending
-        # ones never pile up (on a busy machine they did, by tens of MB).
-        flat[path] = variable.replace(value.block_until_ready())
+    # Parameters by per-layer path, each written into its stack (model.layer_stack) as read.
+    fill = LayerwiseFill(config, dict(nnx.to_flat_state(state)), mesh=mesh,
+                         specs=dict(nnx.to_flat_state(sharding.param_specs(state)))
+                         if mesh is not None else None)
+    place = fill.place
 
     by_param = {}  # parameter path -> its tensors (one, or one per expert)
     for name, (path, transpose, expert, shape) in wanted.items():
@@ -243,7 +234,7 @@ def build_dsa_transformer(config, read_tensor, *, source, names, mesh=None, read
     for path, tensors in by_param.items():
         stacked = None
         if fp8_block and tensors[0][2] is not None:  # routed experts kept in FP8
-            place_fp8_experts(path, tensors, read_fp8, fp8_block, flat, place, source)
+            place_fp8_experts(path, tensors, read_fp8, fp8_block, fill, source)
             continue
         for name, transpose, expert, shape in tensors:
             array = np.asarray(read_tensor(name), np.float32)
@@ -257,22 +248,28 @@ def build_dsa_transformer(config, read_tensor, *, source, names, mesh=None, read
                 stacked = array
             else:
                 if stacked is None:
-                    stacked = np.empty(flat[path].shape, np.float32)
+                    stacked = np.empty(fill.shape(path), np.float32)
                 stacked[expert] = array
         place(path, stacked)
     # What no checkpoint holds: the hierarchical indexer's coarse screens start untrained.
     screen = nnx.state(CoarseScreen(config.index_heads, config.index_dim))
-    for path in [p for p in flat if "coarse_screen" in p]:
-        place(path, screen[path[-1]].get_value())
-    return nnx.merge(graphdef, nnx.from_flat_state(list(flat.items())))
+    for layer in range(config.n_layers):
+        if not config.layer_is_shared(layer) and not attention_kind(config, layer).self_indexed:
+            for name in ("scales", "log_temperature", "mean_log_temperature"):
+                place(("layers", layer, "coarse_screen", name), screen[name].get_value())
+    missing = fill.missing()
+    if missing:
+        raise PretrainedFormatError(f"{source}: no tensor maps to {missing[:4]}")
+    return nnx.merge(graphdef, nnx.from_flat_state(list(fill.flat.items())))
 
 
-def place_fp8_experts(path, tensors, read_fp8, block, flat, place, source):
+def place_fp8_experts(path, tensors, read_fp8, block, fill, source):
     """Stacks one layer's routed experts of one projection as stored (e4m3, and their
-    scales beside them at path + "_scale"), transposed into dosa's layout."""
+    scales beside them at path + "_scale"), transposed into dosa's layout; fill: the
+    model's model.layer_stack.LayerwiseFill."""
     scale_path = (*path[:-1], path[-1] + "_scale")
-    q_all = np.empty(flat[path].shape, flat[path].dtype)
-    s_all = np.empty(flat[scale_path].shape, np.float32)
+    q_all = np.empty(fill.shape(path), fill.dtype(path))
+    s_all = np.empty(fill.shape(scale_path), np.float32)
     for name, _, expert, shape in tensors:
         q, scale, file_block = read_fp8(name)
         if q.shape != shape:
@@ -284,5 +281,5 @@ def place_fp8_experts(path, tensors, read_fp8, block, flat, place, source):
         if not np.all(np.isfinite(scale)):
             raise PretrainedFormatError(f"{source}: tensor {name}'s scales are not finite")
         q_all[expert], s_all[expert] = q.T, scale.T
-    place(path, q_all)
-    place(scale_path, s_all)
+    fill.place(path, q_all)
+    fill.place(scale_path, s_all)

@@ -74,7 +74,7 @@ def test_cached_loss_at_sampled_rows_is_the_mean_over_those_rows():
     everything = _cached_window(model, tokens, jnp.arange(64))
     per_query = []
     for layer in range(model.config.n_layers):
-        q, w, k = model.layers[layer].indexer(everything["hidden"][layer], jnp.arange(64))
+        q, w, k = model.layer(layer).indexer(everything["hidden"][layer], jnp.arange(64))
         p = everything["target"][layer]
         per_query.append([ts.indexer_kl(q[r:r + 1], w[r:r + 1], k, p[r:r + 1],
                                         jnp.asarray([r])) for r in np.asarray(rows)])

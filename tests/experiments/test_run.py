@@ -251,7 +251,7 @@ def test_h200_config_is_v32_shaped_with_four_layers():
     config = preset_config(run.model, max(run.lengths) + run.decode_steps + 1)
     assert config.n_layers == 4 and config.moe.mlp_layer_types == ("dense",) + ("sparse",) * 3
     model = nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0)))
-    dense, moe = model.layers[0], model.layers[1]
+    dense, moe = model.layer(0), model.layer(1)
     assert dense.mlp.gate.kernel.shape == (7168, 18432)
     assert moe.mlp.gate.shape == (256, 7168, 2048) and moe.mlp.down.shape == (256, 2048, 7168)
     assert moe.mlp.shared.gate.kernel.shape == (7168, 2048)

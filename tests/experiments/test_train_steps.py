@@ -10,6 +10,7 @@ from flax import nnx
 from experiments.training import steps as ts
 from indexer import index_scores
 from model import Transformer, get_config
+from model.layer_stack import layer_plan
 from model.transformer import with_config
 
 
@@ -46,7 +47,7 @@ def test_kl_target_is_a_causal_distribution(tiny):
 def test_kl_target_is_the_head_summed_softmax_of_the_layers_own_projections(tiny):
     tokens = _batch(7)[0, :-1]
     T = tokens.shape[0]
-    layer = tiny.layers[0]
+    layer = tiny.layer(0)
     x = tiny.embed(tokens)  # the input of layer 0
     q, rows, _ = layer.attn.project(layer.attn_norm(x), jnp.arange(T))
     q, k = np.asarray(q, np.float64), np.asarray(rows["k"], np.float64)
@@ -165,14 +166,18 @@ def test_remat_gives_the_same_loss_and_gradients(tiny, stage):
         return jax.value_and_grad(
             lambda t: loss_fn(ts.merge_stage(graphdef, stage, t, frozen, rest), batch))
 
+    # tiny's two layers are one segment, scanned: one unit body (model.layer_stack)
+    (segment,) = layer_plan(tiny.config).segments
+    assert (segment.period, segment.repeats) == (1, tiny.config.n_layers)
     vals = []
     for remat in (False, True):
         f = loss_and_grads(remat)
-        # remat=True rematerialises each block (the "remat" primitive), and only then; the
-        # warm-up's per-layer KL terms are always checkpointed (steps.indexer_kl).
+        # remat=True rematerialises the scanned unit (the "remat" primitive, traced once in
+        # the scan's body), and only then; the warm-up's per-layer KL terms are always
+        # checkpointed (steps.indexer_kl).
         kl_terms = tiny.config.n_layers if stage == "indexer_warmup" else 0
         assert str(jax.make_jaxpr(f)(trainable)).count("remat") == (
-            (tiny.config.n_layers if remat else 0) + kl_terms)
+            (1 if remat else 0) + kl_terms)
         loss, grads = jax.jit(f)(trainable)
         vals.append((float(loss), _leaves(grads)))
     assert vals[0][0] == pytest.approx(vals[1][0], rel=1e-6)

@@ -76,9 +76,10 @@ def test_a_new_kind_is_one_entry_and_its_cost(packed):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     # Its field is what the cache holds, in prefix copies too.
     assert cache[0].names[0] == "kv_packed" and "k" not in cache[0].names
-    assert cache[0].kv_packed.shape[1:] == (1, 2 * config.head_dim)
+    assert cache[0].kv_packed.shape[2:] == (1, 2 * config.head_dim)  # [layers, rows, ...]
     assert set(take_prefix(cache, 64, config)[0]) == set(cache[0].names)
-    assert init_cache(config, 128)[1].kv_packed.shape == (128, 1, 2 * config.head_dim)
+    assert init_cache(config, 128)[0].kv_packed.shape == (config.n_layers, 128, 1,
+                                                          2 * config.head_dim)
     assert bytes_per_token(config) == gqa_bytes  # [k | v] packed: the same bytes
     # Its parameters are placed by its entry's axes; the cost model counts it.
     specs = param_specs(nnx.state(model))

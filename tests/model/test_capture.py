@@ -9,6 +9,7 @@ from flax import nnx
 
 from indexer import flat_topk
 from model import ModelRunner, Transformer, get_config
+from model.cache import layer_of
 
 TOL = dict(rtol=2e-4, atol=2e-4)
 
@@ -75,7 +76,7 @@ def test_indexer_input_and_target_rows_are_what_a_teacher_cache_keeps():
         src = got["indexer_input"][i]
         assert src.hidden.shape == (48, model.config.d_model) and src.query_hidden is None
         np.testing.assert_array_equal(src.hidden, got["indexer_input"][owner[i]].hidden)
-        q, w, k = model.layers[owner[i]].indexer(src.hidden, positions)
+        q, w, k = model.layer(owner[i]).indexer(src.hidden, positions)
         for a, b in zip((q, w, k), got["indexer"][i]):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
@@ -101,7 +102,8 @@ def test_chunked_prefill_captures_equal_one_pass():
     for i in range(model.config.n_layers):
         np.testing.assert_allclose(captured["indexer"].q[i], captured_full["indexer"][i].q[70:],
                                    **TOL)
-        np.testing.assert_allclose(captured["indexer"].k[i], cache[i].k_index[70:150], **TOL)
+        np.testing.assert_allclose(captured["indexer"].k[i],
+                                   layer_of(cache, model.config, i).k_index[70:150], **TOL)
         np.testing.assert_array_equal(captured["indices"][i], captured_full["indices"][i][70:])
 
 

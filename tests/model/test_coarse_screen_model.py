@@ -20,11 +20,13 @@ def _model(seed=0, **overrides):
 
 def _perturb_screens(model, seed=7, scale=0.05):
     """Non-trivial screens (a trained one is not the identity)."""
-    keys = jax.random.split(jax.random.key(seed), len(model.layers))
-    for key, layer in zip(keys, model.layers):
+    keys = jax.random.split(jax.random.key(seed), model.config.n_layers)
+    for i, key in enumerate(keys):
+        layer = model.layer(i)  # a copy: written back below
         p = layer.coarse_screen.scales
         p[...] = p[...] + scale * jax.random.normal(key, p[...].shape)
         layer.coarse_screen.log_temperature[...] = np.float32(-0.5)
+        model.set_layer(i, layer)
     return model
 
 
@@ -34,9 +36,9 @@ def test_screen_file_round_trip_and_fingerprint(tmp_path):
     fresh = _model(0)  # same weights, untrained screens
     assert read_screen_record(tmp_path) == {"steps": 3}
     assert load_coarse_screen(tmp_path, fresh) == {"steps": 3}
-    for a, b in zip(trained.layers, fresh.layers):
-        np.testing.assert_array_equal(a.coarse_screen.scales[...],
-                                      b.coarse_screen.scales[...])
+    for i in range(trained.config.n_layers):
+        np.testing.assert_array_equal(trained.layer(i).coarse_screen.scales[...],
+                                      fresh.layer(i).coarse_screen.scales[...])
     # Screens distilled from another indexer are refused, naming the file.
     with pytest.raises(CoarseScreenFileError, match="coarse_screen.safetensors: these coarse "
                                                     "screens were distilled from another"):
@@ -55,15 +57,15 @@ def test_checkpoint_restore_attaches_screens_and_learned_needs_them(tmp_path):
                                          "candidate_tokens": 32})
     # The orbax checkpoint never holds the screens (not nnx.Param): restored untrained ...
     restored, _ = load_default_model(tmp_path)
-    np.testing.assert_array_equal(restored.layers[0].coarse_screen.scales[...],
-                                  model.layers[0].coarse_screen.scales[...])
+    np.testing.assert_array_equal(restored.layer(0).coarse_screen.scales[...],
+                                  model.layer(0).coarse_screen.scales[...])
     # ... and then from the screen file beside it.
     save_coarse_screen(tmp_path, _perturb_screens(model))
     restored, _ = load_default_model(tmp_path, indexer="hierarchical",
                                      hierarchical={"coarse": "learned", "block_size": 8,
                                                    "candidate_tokens": 32})
-    np.testing.assert_array_equal(restored.layers[1].coarse_screen.scales[...],
-                                  model.layers[1].coarse_screen.scales[...])
+    np.testing.assert_array_equal(restored.layer(1).coarse_screen.scales[...],
+                                  model.layer(1).coarse_screen.scales[...])
 
 
 def test_layer_candidate_tokens():

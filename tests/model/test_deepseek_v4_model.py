@@ -15,7 +15,14 @@ from safetensors.numpy import load_file, save_file
 
 from model import ModelConfig, ModelRunner
 from model.attention_kinds import attention_kind
-from model.cache import init_cache, layer_bytes_per_token, layer_fields, layer_state_bytes
+from model.cache import (
+    init_cache,
+    layer_bytes_per_token,
+    layer_fields,
+    layer_of,
+    layer_state_bytes,
+)
+from model.layer_cache import LayerCache, LayerView
 from model.pretrained.llama import PretrainedFormatError
 from model.pretrained.registry import load_pretrained
 
@@ -48,7 +55,7 @@ def test_the_folder_loads_as_three_attention_kinds_and_hash_routing(tiny):
     assert "k_index" not in layer_fields(config, 1)  # V4 indexes entries, not tokens
     weights = load_file(FIXTURE / "model.safetensors")
     np.testing.assert_array_equal(
-        np.asarray(pretrained.model.layers[0].mlp.tid2eid[...]),
+        np.asarray(pretrained.model.layer(0).mlp.tid2eid[...]),
         weights["model.layers.0.ffn.gate.tid2eid"])
 
 
@@ -94,10 +101,11 @@ def test_hierarchical_selection_over_entries_runs_in_the_model(tiny):
         got = np.asarray(captured["indices"][layer])
         want = reference[f"indices_0_{layer}"]
         assert [set(r) for r in got] == [set(r) for r in want], f"layer {layer}"
-        entries = np.asarray(cache[layer].fields["csa_index_entries"][:whole], np.float32)
+        own = layer_of(cache, net.config, layer)
+        entries = np.asarray(own.fields["csa_index_entries"][:whole], np.float32)
         summary = block_summaries(entries, 2)
         for name in ("sum", "count", "min", "max"):
-            kept = cache[layer].fields[CSA_SUMMARY_PREFIX + name][:len(summary.count)]
+            kept = own.fields[CSA_SUMMARY_PREFIX + name][:len(summary.count)]
             np.testing.assert_allclose(np.asarray(kept), np.asarray(getattr(summary, name)),
                                        rtol=1e-5, atol=1e-5, err_msg=f"layer {layer} {name}")
 
@@ -252,7 +260,7 @@ def test_a_v4_model_from_its_config_alone_runs_chunked(dtype):
                                    mlp_layer_types=("hash", "sparse", "sparse"),
                                    scoring_func="sqrtsoftplus", swiglu_limit=7.0))
     model = Transformer(config, rngs=nnx.Rngs(0))
-    assert model.layers[0].mlp.tid2eid[...].dtype == jnp.int32
+    assert model.layer(0).mlp.tid2eid[...].dtype == jnp.int32
     tokens = np.random.default_rng(0).integers(0, 256, 75)
     runner = ModelRunner(model)
     whole, _, picked = runner.prefill(tokens, logits_from=0, capture=("indices",))
@@ -280,12 +288,13 @@ def test_every_layer_of_the_model_equals_transformers(tiny, prompt):
     hidden, tokens = reference[f"hidden_{prompt}"], jnp.asarray(reference[f"prompt_{prompt}"])
     caches = init_cache(model.config, 256)
 
-    @nnx.jit
-    def run(block, streams, cache, tokens):
-        return block(streams, cache, 0, 256, tokens=tokens)[0]
-
-    for layer, block in enumerate(model.layers):
-        got = np.asarray(run(block, jnp.asarray(hidden[layer]), caches[layer], tokens))
+    for layer in range(model.config.n_layers):
+        # The layer's block and its own cache, as a stack of one (model.layer_cache).
+        one = layer_of(caches, model.config, layer)
+        stack = LayerCache({name: array[None] for name, array in one.fields.items()})
+        run = nnx.jit(lambda block, streams, stack, tokens, layer=layer: block(
+            streams, LayerView(stack, 0), 0, 256, tokens=tokens, layer=layer)[0])
+        got = np.asarray(run(model.layer(layer), jnp.asarray(hidden[layer]), stack, tokens))
         want = hidden[layer + 1]
         err = np.abs(got - want).max() / np.abs(want).max()
         assert err < 1e-4, f"layer {layer} ({model.config.v4.layer_types[layer]}): {err:.2e}"

@@ -64,7 +64,7 @@ def test_the_config_is_the_checkpoints(family):
     assert c.indexer_types == (() if name == "deepseek_v32" else tuple(hf["indexer_types"]))
     assert pre.info["family"] == name and pre.info["indexer"] == "checkpoint"
     # The multi-token-prediction layer past num_hidden_layers is in the files, not the model.
-    assert len(pre.model.layers) == hf["num_hidden_layers"]
+    assert pre.model.config.n_layers == hf["num_hidden_layers"]
 
 
 def test_latent_cache_bytes_per_token():

@@ -94,8 +94,9 @@ def test_fp8_experts_stay_fp8_and_match_the_dequantized_model():
     raw = {}
     for f in SafetensorsCheckpoint(FP8).files:
         raw.update(_raw_tensors(f))
-    layer = next(i for i, b in enumerate(kept.layers) if hasattr(b.mlp, "gate_scale"))
-    mlp = kept.layers[layer].mlp
+    layer = next(i for i in range(kept.config.n_layers)
+                 if hasattr(kept.layer(i).mlp, "gate_scale"))
+    mlp = kept.layer(layer).mlp
     assert mlp.gate.get_value().dtype == ml_dtypes.float8_e4m3fn
     name = f"model.layers.{layer}.mlp.experts.3.down_proj.weight"
     np.testing.assert_array_equal(np.asarray(mlp.down.get_value()[3]).view(np.uint8),

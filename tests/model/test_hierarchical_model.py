@@ -11,6 +11,7 @@ from flax import nnx
 from indexer import HierarchicalConfig
 from indexer.block_summaries import block_summaries
 from model import ModelConfig, ModelRunner, Transformer, get_config
+from model.cache import layer_of
 
 TOL = dict(rtol=2e-4, atol=2e-4)
 
@@ -41,7 +42,8 @@ def test_prefill_then_decode_equals_prefill_of_concatenation(exact):
     want, full_cache = runner.prefill(toks)
     np.testing.assert_allclose(logits, want, **TOL)
     # The decode-updated summaries equal the prefill ones, and a recomputation.
-    for got, ref in zip(cache, full_cache):
+    for layer in range(config.n_layers):
+        got, ref = layer_of(cache, config, layer), layer_of(full_cache, config, layer)
         np.testing.assert_array_equal(got.summaries.count, ref.summaries.count)
         np.testing.assert_allclose(got.summaries.sum, ref.summaries.sum, rtol=1e-5, atol=1e-5)
         fresh = block_summaries(ref.k_index, 8, length=75)

@@ -142,10 +142,10 @@ def test_index_rope_scaling_moves_only_the_indexer_positions():
     scaled = nnx.merge(nnx.split(Transformer(base.replace(index_rope_scaling=4.0),
                                              rngs=nnx.Rngs(3)))[0], nnx.split(model)[1])
     x = jax.random.normal(jax.random.key(0), (3, base.d_model))
-    _, _, k_plain = model.layers[0].indexer(x, jnp.array([1, 2, 5]))
-    _, _, k_scaled = scaled.layers[0].indexer(x, jnp.array([4, 8, 20]))
+    _, _, k_plain = model.layer(0).indexer(x, jnp.array([1, 2, 5]))
+    _, _, k_scaled = scaled.layer(0).indexer(x, jnp.array([4, 8, 20]))
     np.testing.assert_allclose(k_scaled, k_plain, rtol=1e-5, atol=1e-5)
-    assert not np.allclose(model.layers[0].indexer(x, jnp.array([4, 8, 20]))[2], k_plain)
+    assert not np.allclose(model.layer(0).indexer(x, jnp.array([4, 8, 20]))[2], k_plain)
     tokens = jnp.arange(24) % 200
     np.testing.assert_array_equal(model.forward(tokens), scaled.forward(tokens))
     assert base.replace(rope_scaling=2.0).indexer_rope_scaling == 2.0

@@ -24,16 +24,16 @@ FIXTURE = pathlib.Path(__file__).resolve().parent.parent / "fixtures" / "deepsee
 def _poison(pool, page, config, P):
     """The pool with page `page` of every growing field full of garbage (never read)."""
     out = []
-    for layer in pool:
+    for stack in pool:  # arrays [layers of the stack, rows, ...]
         fields = {}
-        for name, array in layer.fields.items():
+        for name, array in stack.fields.items():
             if paged_cache.field(name).is_state:
                 fields[name] = array
                 continue
             rpp = paged_cache.rows_per_page(name, P, config)
-            junk = jnp.full((rpp, *array.shape[1:]), 7, array.dtype)
-            fields[name] = array.at[page * rpp:(page + 1) * rpp].set(junk)
-        out.append(layer.replace(**fields))
+            junk = jnp.full((array.shape[0], rpp, *array.shape[2:]), 7, array.dtype)
+            fields[name] = array.at[:, page * rpp:(page + 1) * rpp].set(junk)
+        out.append(stack.replace(**fields))
     return out
 
 
@@ -76,12 +76,13 @@ def _paged_vs_slots(net, prompts, steps, P=P, CAPACITY=CAPACITY):
         assert paged_tokens[:n_slots] == tokens
     # Only the requests' own pages (and scratch) changed; EMPTY and unused pages did not.
     own = set(tables[:n_slots].ravel().tolist()) - {EMPTY}
-    for layer_before, layer_after in zip(before, pool):
-        for name, array in layer_after.fields.items():
+    for stack_before, stack_after in zip(before, pool):
+        for name, array in stack_after.fields.items():
             if paged_cache.field(name).is_state:
                 continue
+            differs = np.asarray(array) != stack_before.fields[name]  # [layers, rows, ...]
             changed = np.flatnonzero(np.any(
-                (np.asarray(array) != layer_before.fields[name]).reshape(n_pages, -1), axis=1))
+                np.moveaxis(differs, 1, 0).reshape(n_pages, -1), axis=1))
             assert set(changed.tolist()) <= own | {SCRATCH}, name
 
 

@@ -165,8 +165,8 @@ def test_indexer_weights_round_trip_and_refuse_another_base(checkpoints, tmp_pat
     # Results name the weights they were measured with, not only their folder.
     assert pre.info["indexer_sha256"] == hashlib.sha256(
         (tmp_path / "idx" / "indexer.safetensors").read_bytes()).hexdigest()
-    np.testing.assert_array_equal(np.asarray(loaded.layers[1].indexer.wq.kernel[...]),
-                                  np.asarray(trained.layers[1].indexer.wq.kernel[...]))
+    np.testing.assert_array_equal(np.asarray(loaded.layer(1).indexer.wq.kernel[...]),
+                                  np.asarray(trained.layer(1).indexer.wq.kernel[...]))
     fresh = load_pretrained(tmp / "tiny.gguf", seed=9).model
-    assert not np.array_equal(np.asarray(fresh.layers[1].indexer.wq.kernel[...]),
-                              np.asarray(trained.layers[1].indexer.wq.kernel[...]))
+    assert not np.array_equal(np.asarray(fresh.layer(1).indexer.wq.kernel[...]),
+                              np.asarray(trained.layer(1).indexer.wq.kernel[...]))

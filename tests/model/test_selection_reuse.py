@@ -11,6 +11,7 @@ from flax import nnx
 
 from experiments.evaluation.metrics import selections_on_captured
 from model import ModelRunner, Transformer, get_config, with_config
+from model.cache import layer_of
 from model.config import ModelConfig, glm_indexer_types, normalize_indexer_types, reuse_types
 
 TOL = dict(rtol=2e-4, atol=2e-4)
@@ -37,7 +38,7 @@ def test_a_shared_layer_attends_to_its_full_layers_selection(full, indexer):
     one holds no indexer weights and no index cache."""
     base = with_config(full, full.config.replace(indexer=indexer))
     shared = with_config(full, base.config.replace(indexer_types="FFS"))
-    assert shared.layers[2].indexer is None and shared.layers[1].indexer is not None
+    assert shared.layer(2).indexer is None and shared.layer(1).indexer is not None
     _, cache, got = ModelRunner(shared).prefill(_tokens(0, N), capture=("indices", "indexer"))
     _, ref_cache, ref = ModelRunner(base).prefill(_tokens(0, N), capture=("indices",
                                                                            "indexer"))
@@ -53,7 +54,8 @@ def test_a_shared_layer_attends_to_its_full_layers_selection(full, indexer):
     for part in ("q", "w", "k"):
         np.testing.assert_array_equal(getattr(got["indexer"], part)[2],
                                       getattr(got["indexer"], part)[1])
-    assert not cache[2].has_index and cache[2].summaries is None and cache[1].has_index
+    layer = [layer_of(cache, shared.config, i) for i in range(3)]
+    assert not layer[2].has_index and layer[2].summaries is None and layer[1].has_index
 
 
 @pytest.mark.slow  # default-tier time budget; runs in CI's slow tier

@@ -88,6 +88,40 @@ def test_fp8_blocks_read_as_stored_equal_the_dequantized_reference():
         grouped_matmul_reference(lhs, q, sizes, rhs_scale=scale[:, :2], scale_block=block)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_stack_of_layers_experts_is_read_in_place_at_a_traced_layer(fp8):
+    """model.layer_stack keeps a model's MoE layers' experts as one stack [S, G, K, N]: the
+    op multiplies layer stack_index's groups (traced: a scan's index), the kernel and the
+    tile loop reading the stack in place. The other layers hold values that would show."""
+    M, K, N, G, S, block = 61, 48, 40, 5, 3, (16, 16)
+    rng = np.random.default_rng(5)
+    sizes = _random_sizes(rng, M, G, foreign=4)
+    ka, kb, ks = jax.random.split(jax.random.key(5), 3)
+    lhs = normal(ka, (M, K))
+    stack = normal(kb, (S, G, K, N))
+    scale = None
+    if fp8:
+        stack = stack.astype(jnp.float8_e4m3fn)
+        scale = jax.random.uniform(ks, (S, G, 3, 3), minval=0.25, maxval=4.0)
+    kw = dict(scale_block=block) if fp8 else {}
+    for layer in range(S):
+        rhs = stack[layer]
+        if fp8:
+            rhs = pallas_kernels.dequantize_blocks(rhs, scale[layer], block, jnp.float32)
+        want = _ragged_dot(lhs, rhs, sizes)
+        for impl in ("xla", "xla_tiles", "interpret"):
+            got = jax.jit(lambda i, impl=impl: pallas_kernels.grouped_matmul(
+                lhs, stack, sizes, rhs_scale=scale, stack_index=i, implementation=impl,
+                **kw))(jnp.int32(layer))
+            _assert_close(got, want, 1e-5)
+        poisoned = grouped_matmul_pallas(lhs, stack, sizes, rhs_scale=scale,
+                                         stack_index=jnp.int32(layer), config=TINY,
+                                         interpret=True, poison=POISON, **kw)
+        _assert_close(poisoned, want, 1e-5)
+    with pytest.raises(ValueError, match=r"with stack_index, rhs must be a stack"):
+        pallas_kernels.grouped_matmul(lhs, stack[0], sizes, stack_index=0, **kw)
+
+
 def test_tiles_never_straddle_groups_and_bound_the_work():
     sizes = jnp.asarray([5, 0, 40, 16, 1], jnp.int32)
     group, first, end = (np.asarray(a) for a in tile_schedule(sizes, 70, 16))

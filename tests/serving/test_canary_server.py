@@ -154,3 +154,55 @@ def test_promote_and_rollback_under_load_lose_nothing_and_split_nothing(canary_s
     for action, n in (("promote", 2), ("rollback", 2), ("set_share", 2)):
         assert metric_value(after, "dosa_rollout_changes_total", action=action) - \
             metric_value(before, "dosa_rollout_changes_total", action=action) == n
+
+
+class _AddedMaps:
+    """A memory-map cap of `cap` over the mappings added since it was made (what a process
+    that starts near its cap would see): the warm-up runs out of room and the programs are
+    dropped while serving, within a test's time."""
+
+    def __init__(self, cap):
+        from serving.program_maps import map_usage
+
+        self.cap, self.base = cap, map_usage()[0]
+
+    def __call__(self):
+        from serving.program_maps import map_usage
+
+        return max(0, map_usage()[0] - self.base), self.cap
+
+
+def test_a_canary_under_a_tight_map_cap_warms_what_fits_drops_programs_and_answers_alike(
+        canary_server, client, monkeypatch):
+    """The mend of a server that died of its own config (a canary with shadow recall held
+    64,447 memory mappings at warm-up, past the kernel's 65,530): with a cap it cannot warm
+    everything under, the warm-up stops at its share, the programs are dropped between turns
+    once past the drop share, and every answer equals the unlimited server's."""
+    from serving import program_maps
+
+    prompts = [PROMPT[:40], PROMPT[:150], PROMPT * 2]
+    want = {(side, p): complete(client, side, prompt=p).json()["choices"][0]["text"]
+            for side in ("baseline", "canary") for p in prompts}
+    tight = program_maps.MapBudget(usage=_AddedMaps(cap=3000))
+    monkeypatch.setattr(program_maps, "_BUDGET", [tight])
+    # Room for 1024 positions: programs of their own (the fixture's are compiled already).
+    config = test_config(queue_size=64, max_context=1024, canary={
+        "indexer": "hierarchical", "candidate_tokens": 32, "share": 0.5,
+        "model_version": CANARY, "shadow_rate": 1.0}, shadow_max_seconds_per_s=1.0,
+        warmup_max_context=1024)
+    service = Service(config, loader=tiny_loaded)
+    running = RunningServer(service)
+    service.start()
+    try:
+        assert service.wait_ready(300), service.error
+        with httpx.Client(base_url=running.url, headers=AUTH, timeout=120) as c:
+            for _ in range(2):
+                for (side, p), text in want.items():
+                    assert complete(c, side, prompt=p).json()["choices"][0]["text"] == text
+            metrics = httpx.get(f"{running.url}/metrics").text
+            assert httpx.get(f"{running.url}/health").status_code == 200
+        assert tight.drops >= 1  # (the scrape may precede the last turn's check)
+        assert 1 <= metric_value(metrics, "dosa_compiled_program_drops_total") <= tight.drops
+        assert metric_value(metrics, "dosa_memory_maps", kind="cap") == 3000
+    finally:
+        running.stop()

@@ -247,6 +247,16 @@ def test_a_canary_block_reads_case_insensitive_keys_and_sets_only_its_switches()
     assert ServingConfig(shadow_rate=0.5).shadow_rate_for(tiny) == 0.5
 
 
+def test_the_example_canary_config_is_the_default_with_a_watched_canary():
+    from serving.config import DEFAULT_CONFIG, load_config
+
+    default, canary = load_config(), load_config(DEFAULT_CONFIG.parent / "canary.yaml")
+    assert canary.model_dump(exclude={"canary"}) == default.model_dump(exclude={"canary"})
+    assert canary.canary.indexer == "hierarchical" and canary.canary.share == 0.1
+    shipped = model.load_default_model()[0].config
+    assert canary.canary.shadow_rate_for(shipped.replace(indexer="hierarchical")) == 0.1
+
+
 def test_the_admin_endpoint_is_off_without_a_key_and_needs_it_otherwise():
     from fastapi.testclient import TestClient
 

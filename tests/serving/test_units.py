@@ -149,7 +149,8 @@ def test_fp8_experts_config_keeps_an_fp8_folders_experts_in_fp8():
 
     folder = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "dsa" / "deepseek_v32_fp8"
     loaded = load_model(str(folder), fp8_experts=True)
-    moe = [b.mlp for b in loaded.model.layers if hasattr(b.mlp, "gate_scale")]
+    moe = [b.mlp for b in map(loaded.model.layer, range(loaded.model.config.n_layers))
+           if hasattr(b.mlp, "gate_scale")]
     assert moe and all(m.gate.get_value().dtype == jnp.float8_e4m3fn for m in moe)
     with pytest.raises(ValueError, match="fp8_experts applies to an FP8 DeepSeek-V3.2"):
         load_model("tiny", fp8_experts=True)

@@ -22,8 +22,9 @@ def test_one_process_mesh_server_equals_one_device():
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
     r = json.loads(line[len("RESULT "):])
     single, sharded = r["single"], r["sharded"]
-    # The slot caches really are split as the rules say (batch, positions, kv heads).
-    assert sharded["slot_k_sharding"] == "P(None, 'sequence', 'tensor')"
+    # The slot caches really are split as the rules say (batch, the stack's layers,
+    # positions, kv heads).
+    assert sharded["slot_k_sharding"] == "P(None, None, 'sequence', 'tensor')"
     assert single["hit_cached"] == sharded["hit_cached"] == 128  # two 64-token blocks
     for key in ("plain_text", "plain_usage", "stream_text", "hit_text"):
         assert sharded[key] == single[key], key

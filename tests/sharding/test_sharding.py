@@ -69,24 +69,27 @@ def test_mesh_rules_and_flags_validation():
                                          r"ModelConfig.moe.n_routed_experts=6.*\[1, 2, 3, 6\]"):
         check_mesh(moe, {"expert": 2, "tensor": 2})
     # Routed experts split whole over expert x tensor; their hidden dimension stays whole.
-    mlp = param_specs(nnx.state(nnx.eval_shape(lambda: Transformer(moe, rngs=nnx.Rngs(0)))))[
-        "layers"][0]["mlp"]
-    assert mlp["gate"].get_value() == P(("expert", "tensor"), None, None)
-    assert mlp["down"].get_value() == P(("expert", "tensor"), None, None)
-    assert mlp["shared"]["down"]["kernel"].get_value() == P("tensor", None)
+    # Stacked layers (model.layer_stack) lead with their "layers" axis, whole everywhere.
+    stacks = param_specs(nnx.state(nnx.eval_shape(lambda: Transformer(moe, rngs=nnx.Rngs(0)))))[
+        "stacks"]
+    mlp = next(stacks[s]["mlp"] for s in stacks if "gate" in stacks[s]["mlp"])
+    assert mlp["gate"].get_value() == P(None, ("expert", "tensor"), None, None)
+    assert mlp["down"].get_value() == P(None, ("expert", "tensor"), None, None)
+    assert mlp["shared"]["down"]["kernel"].get_value() == P(None, "tensor", None)
     with pytest.raises(ValueError, match="multiple of the mesh's sequence=3"):
         check_capacity({"sequence": 3}, 256)
     # Every parameter has a rule; heads and the MLP split over "tensor", the rest whole.
     state = nnx.state(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
     specs = param_specs(state)
-    layer = specs["layers"][0]
-    assert layer["attn"]["wq"]["kernel"].get_value() == P(None, "tensor")
-    assert layer["attn"]["wo"]["kernel"].get_value() == P("tensor", None)
-    assert layer["mlp"]["down"]["kernel"].get_value() == P("tensor", None)
-    assert layer["indexer"]["wq"]["kernel"].get_value() == P(None, None)
+    layer = specs["stacks"][0]
+    assert layer["attn"]["wq"]["kernel"].get_value() == P(None, None, "tensor")
+    assert layer["attn"]["wo"]["kernel"].get_value() == P(None, "tensor", None)
+    assert layer["mlp"]["down"]["kernel"].get_value() == P(None, "tensor", None)
+    assert layer["indexer"]["wq"]["kernel"].get_value() == P(None, None, None)
     cache = cache_specs(jax.eval_shape(lambda: init_cache(config, 256)))
-    assert cache[0].k == P("sequence", "tensor", None) and cache[0].k_index == P(None, None)
-    assert all(s == P(None) or s == P(None, None) for s in cache[0].summaries)
+    assert cache[0].k == P(None, "sequence", "tensor", None)
+    assert cache[0].k_index == P(None, None, None)
+    assert all(s == P(None, None) or s == P(None, None, None) for s in cache[0].summaries)
     assert distributed_settings(environ={}) == (None, 1, None)
     assert distributed_settings(environ={"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES":
                                          "2", "JAX_PROCESS_ID": "1"}) == ("h:1", 2, 1)

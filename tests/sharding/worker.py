@@ -122,8 +122,9 @@ def process(address, num_processes, process_id, mesh_text):
             "logits": np.asarray(logits).tolist(),
             "max_abs_diff": float(np.max(np.abs(np.asarray(logits) - np.asarray(ref_logits)))),
             "indices_equal": bool(np.array_equal(got["indices"], ref["indices"])),
-            "kv_shard_rows": cache[0].k.addressable_shards[0].data.shape[0],
-            "kv_rows": cache[0].k.shape[0]}
+            # cache[0].k: [layers, rows, kv heads, head_dim], rows split over "sequence"
+            "kv_shard_rows": cache[0].k.addressable_shards[0].data.shape[1],
+            "kv_rows": cache[0].k.shape[1]}
 
 
 if __name__ == "__main__":
