@@ -87,7 +87,7 @@ class LayerPlan:
     segments: tuple
 
 
-def _segment_units(keys, start, n):
+def _segment_units(keys, start):
     """(period, repeats) of the segment starting at `start`: the unit that covers most
     layers by repeating (ties: the shortest); a layer that repeats nothing runs alone."""
     best = (1, 1)
@@ -117,7 +117,7 @@ def layer_plan(config):
     keys = [behaviour_key(config, i) for i in range(n)]
     segments, start = [], 0
     while start < n:
-        period, repeats = _segment_units(keys, start, n)
+        period, repeats = _segment_units(keys, start)
         unit_stacks = [place[start + j][0] for j in range(period)]
         units = tuple((s, place[start + j][1], unit_stacks.count(s))
                       for j, s in enumerate(unit_stacks))
@@ -151,7 +151,8 @@ def describe_plan(config):
             parts.append(f"layer {seg.start} ({kinds}) alone")
         else:
             parts.append(f"layers {seg.start}-{seg.stop - 1}: {seg.repeats} x [{kinds}]")
-    return f"{len(plan.stacks)} stacks; " + "; ".join(parts)
+    stacks = len(plan.stacks)
+    return f"{stacks} stack{'s' if stacks > 1 else ''}; " + "; ".join(parts)
 
 
 # ---------------------------------------------------------------- parameters

@@ -35,6 +35,7 @@ import threading
 import numpy as np
 
 from model.buckets import length_bucket
+from serving import program_maps
 from serving.engine import Sampling
 from serving.hosts import HostLostError
 
@@ -274,6 +275,7 @@ def follow(engines):
             log.exception("replaying %s failed", op)
             if op == "begin_prefill":
                 current = None
+        program_maps.budget().check()  # as process 0 between turns (serving.program_maps)
 
 
 def run_follower(config, mesh, *, hosts=None, loader=None):

@@ -130,7 +130,12 @@ class HostMonitor:
         followers in the background (a follower that never connects is lost after
         JOIN_TIMEOUT_S)."""
         monitor = cls(limit_s, on_lost)
-        server = socket.create_server(("", address[1]), reuse_port=False)
+        try:
+            server = socket.create_server(("", address[1]), reuse_port=False)
+        except OSError as e:
+            raise OSError(e.errno, f"heartbeat_port {address[1]}: process 0 cannot listen "
+                          f"there ({e.strerror}); set heartbeat_port in the serving config to "
+                          f"a free port (1-65535) that every process can reach") from e
         server.settimeout(JOIN_TIMEOUT_S)
         monitor._server = server
         threading.Thread(target=monitor._accept, args=(server, num_processes - 1),

@@ -133,7 +133,10 @@ def build_engines(cfg, mesh=None, *, loader=None):
     (model.with_config shares the arrays), with its own decode slots and prefix cache.
     Every process of a sharded server runs this, in the same order: the warm-up's steps
     are collectives on a mesh that spans processes."""
+    import jax
+
     from model import with_config
+    from model.layer_stack import describe_plan
     from serving import program_maps
     from serving.engine import Engine
     from serving.paged_engine import PagedEngine
@@ -150,8 +153,8 @@ def build_engines(cfg, mesh=None, *, loader=None):
         log.warning("max_context %d is past the model's max_seq_len %d: serving %d",
                     max_context, model_config.max_seq_len, model_config.max_seq_len)
         max_context = model_config.max_seq_len
-    log.info("loaded %s in %.1f s: %s", loaded.model_id, time.perf_counter() - t0,
-             loaded.description)
+    log.info("loaded %s in %.1f s: %s; its layers run as %s", loaded.model_id,
+             time.perf_counter() - t0, loaded.description, describe_plan(model_config))
     variants = [(loaded.model, cfg.decode_slots, cfg.shadow_rate_for(model_config))]
     if cfg.canary is not None:
         canary = with_config(loaded.model, apply_overrides(model_config,
@@ -180,12 +183,15 @@ def build_engines(cfg, mesh=None, *, loader=None):
                             shadow=shadow)
         t0 = time.perf_counter()
         # Each side may warm up to its share of what the warm-up may hold of the process's
-        # memory-map cap (serving.program_maps), the baseline first.
-        buckets = engine.warmup(min(warm, max_context),
-                                room=maps.warm_room_for(index + 1, len(variants)))
-        log.info("warm-up of %s: compiled %d key-length buckets up to %d tokens in %.1f s%s%s; "
-                 "the process holds %d memory mappings of %d", "the canary" if index else
-                 "the baseline", buckets, min(warm, max_context), time.perf_counter() - t0,
+        # memory-map cap (serving.program_maps), the baseline first. Several processes run
+        # the same warm-up steps (collectives): each process's own count must not decide
+        # there, so they warm everything.
+        room = (maps.warm_room_for(index + 1, len(variants)) if jax.process_count() == 1
+                else None)
+        buckets = engine.warmup(min(warm, max_context), room=room)
+        log.info("warm-up of %s (up to %d tokens): compiled %d key-length buckets in %.1f s%s%s;"
+                 " the process holds %d memory mappings of %d", "the canary" if index else
+                 "the baseline", min(warm, max_context), buckets, time.perf_counter() - t0,
                  f", shadow recall at rate {engine.shadow.rate:g}" if engine.shadow else "",
                  "" if mesh is None else f" on mesh {dict(mesh.shape)}", *maps.usage())
         engines.append(engine)

@@ -1,5 +1,9 @@
 """Shared test helpers: fresh random inputs (never zeros) and brute-force references."""
 
+import pathlib
+import random
+import socket
+
 import jax
 import numpy as np
 
@@ -21,3 +25,34 @@ def brute_force_scores(q, w, k, q_offset=0):
     future = np.arange(L)[None, :] > (q_offset + np.arange(T))[:, None]
     scores[future] = -np.inf
     return scores
+
+
+_handed_out = set()
+
+
+def free_port():
+    """A TCP port nothing listens on, taken below the kernel's ephemeral range.
+
+    A port the kernel hands out for bind(0) comes from the ephemeral range, which is also
+    where every outgoing connection takes its local port: a server started a moment later
+    on it can find it held by another process's connection (a CI run's heartbeat listener
+    met "Address already in use" so). Ports below that range are only ever taken by a
+    bind that names them."""
+    low = 32768
+    try:
+        low = int(pathlib.Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(10000, max(low, 10001))
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free TCP port found between 10000 and {low}")

@@ -14,9 +14,9 @@ import pytest
 from serving.hosts import HostLostError, HostMonitor, heartbeat_address
 from serving.scheduler import Request, Scheduler
 from serving.service import HOST_LOST, Service
+from tests.helpers import free_port
 from tests.serving.conftest import test_config
 from tests.serving.test_scheduler import FakeEngine, collect
-from tests.sharding.test_sharding import _free_port
 
 LIMIT = 0.3  # loss tests: how soon a silent peer is lost
 HEALTHY_LIMIT = 1.0  # the no-loss test: room for a loaded machine's thread scheduling
@@ -33,7 +33,7 @@ class Losses:
 
 def _leader(followers=1, limit=LIMIT):
     losses = Losses()
-    port = _free_port()
+    port = free_port()
     monitor = HostMonitor.lead(("localhost", port), followers + 1, limit, on_lost=losses)
     return monitor, losses, ("localhost", port)
 
@@ -49,6 +49,13 @@ def test_heartbeat_address_defaults_to_the_coordinator_port_plus_one():
     assert heartbeat_address("host:1234", 9000) == ("host", 9000)
     with pytest.raises(ValueError, match="host_timeout_s"):
         HostMonitor(0)
+
+
+def test_a_taken_heartbeat_port_is_named():
+    with socket.create_server(("", free_port())) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"heartbeat_port {port}: process 0 cannot listen"):
+            HostMonitor.lead(("localhost", port), 2, LIMIT)
 
 
 def test_a_healthy_group_is_never_lost_and_stops_with_a_goodbye():

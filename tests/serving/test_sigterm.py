@@ -5,7 +5,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,15 +13,10 @@ import time
 import httpx
 import pytest
 
+from tests.helpers import free_port
 from tests.serving.conftest import wait_healthy
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow  # default-tier time budget; runs in CI's slow tier

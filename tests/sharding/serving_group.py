@@ -15,8 +15,8 @@ import time
 import httpx
 import yaml
 
+from tests.helpers import free_port
 from tests.sharding.serving_worker import PROMPT_A
-from tests.sharding.test_sharding import _free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 MESH = "sequence=2,tensor=2"  # tiny preset: 4 heads, 2 kv heads, d_ff 128
@@ -41,9 +41,9 @@ class Group:
         cfg = test_config()
         path = folder / "serving.yaml"
         path.write_text(yaml.safe_dump({**{k: getattr(cfg, k) for k in CONFIG_KEYS},
-                                        "heartbeat_port": _free_port(), **config}))
+                                        "heartbeat_port": free_port(), **config}))
         self.api_key = cfg.api_key
-        self.port, self.address = _free_port(), f"localhost:{_free_port()}"
+        self.port, self.address = free_port(), f"localhost:{free_port()}"
         self.url = f"http://127.0.0.1:{self.port}"
         variables = env(2)
         variables["JAX_ENABLE_COMPILATION_CACHE"] = "false"  # two writers of one cache entry

@@ -8,7 +8,6 @@ validation only (one device, no compile).
 import json
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -29,6 +28,7 @@ from model.sharding import (
     param_specs,
     parse_mesh,
 )
+from tests.helpers import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -185,15 +185,9 @@ def test_dsa_families_shard_like_one_device(family):
         assert r["max_abs_diff"] < 1e-5 * max(1.0, r["scale"]), r
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_agree_with_one():
-    address = f"localhost:{_free_port()}"
+    address = f"localhost:{free_port()}"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
            "JAX_PLATFORMS": "cpu"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # two writers of one cache entry
