@@ -33,7 +33,6 @@ import jax
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from experiments.common import add_out_argument, enable_compile_cache, recorded_command, write_json
 from experiments.gpu_targets import TARGETS
@@ -41,7 +40,7 @@ from experiments.schema import ConfigError
 from experiments.ttft.config import load_run_config
 from experiments.ttft.plan import plan_length
 from experiments.ttft.projection import projection
-from experiments.ttft.report import COLUMNS, markdown, plot, row_cells, summary_line
+from experiments.ttft.report import console_lines, markdown, plot
 from experiments.ttft.study import METHOD, environment, load_source, run_study, source_config
 from model import CheckpointMissingError
 from model.parallel_flags import add_parallel_arguments
@@ -185,11 +184,8 @@ def main(argv=None):
     write_json(out / "results.json", results)
     (out / "report.md").write_text(markdown(results))
     plot(results, out / "ttft.png")
-    table = Table(*map(escape, COLUMNS))  # headers hold [brackets], not markup
-    for r in rows:
-        table.add_row(*map(escape, row_cells(r)))
-    console.print(table)
-    console.print(summary_line(summary))
+    for line in console_lines(results):
+        console.print(escape(line), soft_wrap=True)
     console.print(f"wrote {out / 'results.json'}, {out / 'report.md'}, {out / 'ttft.png'} "
                   f"({results['wall_s']:.0f} s)")
     return results

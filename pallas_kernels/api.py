@@ -7,7 +7,10 @@ implementation must match, and the one every platform can run). The others:
 - "pallas": dosa's Triton-backend Pallas kernel (GPU: A100 and Hopper);
 - "interpret": the same kernel run by the Pallas interpreter (CPU tests; never a default);
 - "tokamax_triton", "tokamax_mosaic": tokamax's kernels (grouped matmul; GPU, from the
-  `cuda12` extra); "xla_tiles": the grouped matmul as a plain-XLA loop over row tiles.
+  `cuda12` extra); "xla_tiles": the grouped matmul as a plain-XLA loop over row tiles;
+  "xla_blocks": sparse attention over the union of key blocks a tile of queries selected
+  (pallas_kernels.sparse_attention_blocks; by name only: on SmolLM2's 8K selections it
+  measured 0.93-1.16x the time of the per-query gathers of "xla", docs/results.md).
 `backend=` / `implementation=` None takes the first implementation of the op's order for
 the platform being compiled for that is installed and accepts the arguments (an
 implementation raises NotImplementedError at trace time for arguments it does not take,
@@ -43,6 +46,7 @@ from pallas_kernels.sparse_attention import (
     sparse_attention_pallas,
     sparse_attention_reference,
 )
+from pallas_kernels.sparse_attention_blocks import DEFAULT_TILES, sparse_attention_blocks
 
 ANY_PLATFORM = ("cpu", "gpu", "tpu")
 
@@ -194,6 +198,13 @@ def _sparse_attention_xla(q, k, v, indices, *, scale=None):
                           (q, indices), fill=(0, -1))
 
 
+def _sparse_attention_blocks(q, k, v, indices, *, scale=None, tiles=DEFAULT_TILES):
+    """sparse_attention_blocks over tiles of tiles.rows queries."""
+    return map_query_rows(
+        lambda _, qc, ic: sparse_attention_blocks(qc, k, v, ic, scale=scale, tiles=tiles),
+        tiles.rows, (q, indices), fill=(0, -1))
+
+
 def rows_within(budget_bytes, row_bytes, most, least=1):
     """Rows per chunk: the largest power of two whose temporaries (row_bytes each) fit
     budget_bytes, within [least, most]."""
@@ -226,7 +237,9 @@ OPS = {op.name: op for op in (
        _kernel_implementations(gathered_index_scores_reference, _gathered_pallas),
        KERNEL_ORDER),
     Op("sparse_attention",
-       _kernel_implementations(_sparse_attention_xla, sparse_attention_pallas), KERNEL_ORDER),
+       {**_kernel_implementations(_sparse_attention_xla, sparse_attention_pallas),
+        "xla_blocks": Implementation(_sparse_attention_blocks)},
+       KERNEL_ORDER),
     # The MoE's expert product. XLA's GPU lowering of ragged_dot densifies (a [rows,
     # groups, K] operand: 112 GiB at DeepSeek-V3.2's sizes), so on GPU it comes last,
     # after a plain-XLA loop over row tiles; tokamax's Mosaic GPU kernel takes no 2-D FP8

@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 COLUMNS = ("tokens", "mode", "TTFT ms (min; median [max])", "indexer ms", "attention ms",
            "other ms", "indexer share", "decode ms/step", "scored share", "recall", "IoU",
            "top-1 vs ref", "KL vs ref", "top-1 vs dense", "KL vs dense", "ppl vs dense",
-           "compile s")
+           "model TFLOP", "GFLOP/s (share of matmul)", "compile s")
 
 
 def _f(value, fmt):
@@ -34,7 +34,55 @@ def row_cells(r):
             _f(r["recall"], ".4f"), _f(r["iou"], ".4f"), _f(r["top1_agreement"], ".4f"),
             _f(r["logit_kl"], ".4f"), _f(r.get("top1_agreement_vs_dense"), ".4f"),
             _f(r.get("logit_kl_vs_dense"), ".4f"), _pct(r.get("perplexity_vs_dense")),
-            _f(r.get("compile_s"), ".1f")]
+            _f(r.get("model_tflop"), ".2f"), _rate(r), _f(r.get("compile_s"), ".1f")]
+
+
+def _rate(r):
+    if r.get("achieved_gflops") is None:
+        return "-"
+    return f"{r['achieved_gflops']:.1f} ({r['matmul_share']:.2f})"
+
+
+def _matmul_text(summary):
+    m = summary.get("matmul_rate")
+    if not m:
+        return ""
+    measured = " and ".join(f"{g:.1f}" for g in m["measured_gflops"])
+    return (f"Machine limit: {m['shape']} at {m['gflops']:.1f} GFLOP/s (measured {measured} "
+            f"before the first length and after the last)")
+
+
+CONSOLE_WIDTH = 80
+
+
+def console_lines(results):
+    """The job's closing summary as plain lines of at most 80 characters (a terminal or a
+    log file; the full table is report.md's): per row the TTFT, the achieved rate and its
+    share of the matmul rate, recall and top-1 against the reference, perplexity against
+    dense; then the comparison per length, wrapped."""
+    import textwrap
+
+    lines = [f"{'tokens':>6} {'mode':<20} {'TTFT s':>7} {'GFLOP/s':>7} {'of mm':>5} "
+             f"{'recall':>6} {'top-1':>6} {'ppl/dense':>9}"]
+    for r in results["runs"]:
+        if r.get("skipped"):
+            lines.append(f"{r['context_len']:>6} {r['mode'][:20]:<20} skipped: "
+                         f"{r['skipped']}"[:CONSOLE_WIDTH])
+            continue
+        t = r.get("ttft_ms")
+        lines.append(f"{r['context_len']:>6} {r['mode'][:20]:<20} "
+                     f"{'untimed' if t is None else format(t['min'] / 1e3, '.3g'):>7} "
+                     f"{_f(r.get('achieved_gflops'), '.1f'):>7} "
+                     f"{_f(r.get('matmul_share'), '.2f'):>5} {_f(r['recall'], '.4f'):>6} "
+                     f"{_f(r['top1_agreement'], '.4f'):>6} "
+                     f"{_pct(r.get('perplexity_vs_dense')):>9}")
+    machine = _matmul_text(results["summary"])
+    if machine:
+        lines += textwrap.wrap(machine + ".", CONSOLE_WIDTH)
+    for line in summary_line(results["summary"]).split("\n"):  # one per length
+        indent = " " * (len(line) - len(line.lstrip()))
+        lines += textwrap.wrap(line.rstrip(), CONSOLE_WIDTH, subsequent_indent=indent + "  ")
+    return lines
 
 
 def comparison_line(c):
@@ -94,6 +142,9 @@ def markdown(results):
              f"Repetitions: {_rounds(cfg)}; wall time {results['wall_s']:.0f} s"
              + _compile_text(results["summary"]) + ".", "",
              summary_line(results["summary"]), ""]
+    if _matmul_text(results["summary"]):
+        lines += [_matmul_text(results["summary"]) + "; each row's achieved rate is its "
+                  "model FLOPs over its fastest TTFT, and its share of that limit.", ""]
     if results["random_weights"]:
         lines += ["Random weights: timing only; no fidelity figures.", ""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -169,6 +220,7 @@ def plot(results, path):
     left.legend()
     lengths = sorted({r["context_len"] for r in runs})
     width = 0.8 / max(1, len(modes))
+    split = any(r.get("indexer_ms") is not None for r in runs)
     colors = {"indexer_ms": "tab:red", "attention_ms": "tab:blue", "other_ms": "tab:gray"}
     for m, mode in enumerate(modes):
         for i, length in enumerate(lengths):
@@ -176,21 +228,26 @@ def plot(results, path):
             if r is None:
                 continue
             x, bottom = i + (m - (len(modes) - 1) / 2) * width, 0.0
-            # without a split (split: false) the bar is the TTFT, one color
-            parts = colors if r.get("indexer_ms") is not None else {"ttft": "tab:olive"}
-            for part, color in parts.items():
-                value = (r["ttft_ms"]["min"] if part == "ttft" else max(0.0, r[part])) / 1000
+            if not split:  # the share of the matmul rate, not the TTFTs again
+                bottom = r.get("matmul_share") or 0.0
+                right.bar(x, bottom, width, color="tab:olive")
+            for part, color in (colors.items() if split else ()):
+                value = max(0.0, r[part]) / 1000
                 right.bar(x, value, width, bottom=bottom, color=color,
                           label=part.removesuffix("_ms") if (m, i) == (0, 0) else None)
                 bottom += value
             right.text(x, bottom, mode.replace("sparse-", ""), rotation=90, ha="center",
                        va="bottom", fontsize=7)
     right.set_xticks(range(len(lengths)), [str(L) for L in lengths])
-    split = any(r.get("indexer_ms") is not None for r in runs)
-    right.set(xlabel="context tokens", ylabel="seconds",
-              title="Prefill split (indexer / attention / other)" if split else
-              "TTFT (split not measured: split: false)")
-    right.legend()
+    if split:
+        right.set(xlabel="context tokens", ylabel="seconds",
+                  title="Prefill split (indexer / attention / other)")
+        right.legend()
+    else:
+        m = results["summary"].get("matmul_rate")
+        right.set(xlabel="context tokens", ylabel="model FLOP/s over f32 matmul rate",
+                  title="Achieved share of the machine's matmul rate" + (
+                      f" ({m['gflops']:.0f} GFLOP/s)" if m else ""))
     _projection_panel(proj, results.get("projection"))
     fig.tight_layout()
     fig.savefig(path, dpi=110)

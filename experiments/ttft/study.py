@@ -12,6 +12,7 @@ from experiments.common import CompileCounter, display_path, release_programs
 from experiments.data import Corpus, eval_sequence
 from experiments.evaluation.metrics import pair_metrics
 from experiments.ttft import plan
+from experiments.ttft.machine_rate import add_rates, matmul_rate, model_flops
 from experiments.ttft.measure import (
     TimedPrefill,
     harvest,
@@ -55,6 +56,12 @@ METHOD = {
                 "reference's on the reference pass's own indexer inputs (last positions, all "
                 "layers)",
     "decode": "median wall time of one decode step right after the prefill (greedy)",
+    "achieved rate": "the mode's model FLOPs at that length (model.costs, causal pairs: "
+                     "the layers' linear work, attention over each query's selection or "
+                     "every causal key, the selection as its kind scores) over its fastest "
+                     "TTFT; its share of the machine's f32 matmul rate on the model's MLP "
+                     "shape, measured in the same process before the first length and "
+                     "after the last (the larger)",
 }
 
 
@@ -324,13 +331,14 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
             continue
         runs[name].row = row = mode_row(spec, config, timer, runs[name], baselines)
         row["compile_s"] = round(compile_s.get(name, 0.0), 2)
+        row["model_tflop"] = model_flops(config, length) / 1e12
         # The length's timing per mode (decode steps within; with one repetition, compiles too).
         row["wall_s"] = wall / len(timed)
         t = row["ttft_ms"]
         share = row["indexer_share"]  # None without a split
-        log(f"{length:>7} {spec.name:<22} TTFT min {t['min']:9.1f} ms, median "
-            f"{t['median']:9.1f} ms" + ("" if share is None else f" (indexer share {share:.2f})")
-            + f"; compiled in {row['compile_s']:.1f} s")
+        log(f"{length:>6} {spec.name[:22]:<22} TTFT {t['min'] / 1e3:7.2f} s (median "
+            f"{t['median'] / 1e3:.2f})" + ("" if share is None else f", indexer {share:.2f}")
+            + f"; compile {row['compile_s']:.1f} s")
     order = sorted(run.modes, key=lambda m: m.name != run.reference)
     rows = [skipped[m.name] if m.name in skipped else runs[m.name].row for m in order]
     return runs, rows, counts
@@ -338,10 +346,15 @@ def _time_length(run, model, tokens, compiles, *, progress, log):
 
 def run_study(run, model, heldout_tokens, *, random_weights, progress=None, log=print):
     """-> (rows, summary). progress(description, advance=True) is called before each step;
-    log(line) after each measured (length, mode). The summary's "compiles" counts XLA's
-    compiles per length (before timing, while timed: 0) and in all (the persistent
-    compilation cache's hits are not compiles)."""
+    log(line) after each measured (length, mode). The machine's f32 matmul rate is measured
+    before the first length and after the last (the summary's "matmul_rate": the larger is
+    the limit each timed row's achieved rate is a share of, experiments.ttft.machine_rate).
+    The summary's "compiles" counts XLA's compiles per length (before timing, while
+    timed: 0) and in all (the persistent compilation cache's hits are not compiles)."""
     rows, compiles, counts = [], CompileCounter(), {}
+    rates = [matmul_rate(model.config)]
+    log(f"f32 matmul rate ({rates[0]['shape']}, the model's MLP): "
+        f"{rates[0]['gflops']:.1f} GFLOP/s")
     compiles.take_seconds()
     for length in run.lengths:
         tokens = eval_sequence(heldout_tokens, length)
@@ -352,7 +365,12 @@ def run_study(run, model, heldout_tokens, *, random_weights, progress=None, log=
             counts[length].pop("compiles_harvest") + compiles.take()
         rows += length_rows
         del runs
+    rates.append(matmul_rate(model.config))  # the machine's limit before and after
+    rate = max(r["gflops"] for r in rates)
+    add_rates(rows, rate)
     result = summary(run, rows)
+    result["matmul_rate"] = {"gflops": round(rate, 2), "shape": rates[0]["shape"],
+                             "measured_gflops": [round(r["gflops"], 2) for r in rates]}
     result["compiles"] = {"per_length": {str(L): c for L, c in counts.items()},
                           "total": sum(v for c in counts.values() for k, v in c.items()
                                        if k.startswith("compiles")),

@@ -72,6 +72,15 @@ def test_results_json_schema(tiny_results):
     assert s["recall"] == hier["recall"] and s["indexer_share_flat"] == flat["indexer_share"]
     assert [c["context_len"] for c in s["per_length"]] == [256, 320]
     assert 0 < s["scored_share"] == hier["scored_share"] <= 1
+    # The machine's limit beside every timed row: model FLOPs over the fastest TTFT.
+    rate = s["matmul_rate"]
+    assert len(rate["measured_gflops"]) == 2 and rate["gflops"] == max(rate["measured_gflops"])
+    for r in results["runs"][:-1]:
+        # (results.json rounds its floats)
+        assert r["achieved_gflops"] == pytest.approx(r["model_tflop"] * 1e3
+                                                     / (r["ttft_ms"]["min"] / 1e3), rel=1e-3)
+        assert r["matmul_share"] == pytest.approx(r["achieved_gflops"] / rate["gflops"],
+                                                  rel=1e-3)
 
 
 def test_plan_shares_programs_across_lengths():
@@ -201,7 +210,14 @@ def test_a_run_without_its_split_times_no_baselines_and_reports_ttft_alone(tmp_p
                "summary": {"context_len": 256, "per_length": [{
                    "context_len": 256, "compare": "h", "reference": "f", "ttft_ratio": 0.9,
                    "indexer_share_flat": None, "indexer_share_hierarchical": None}]}}
+    row.update(model_tflop=0.5, achieved_gflops=50.0, matmul_share=0.25)
+    results["summary"]["matmul_rate"] = {"gflops": 200.0, "shape": "f32 [8, 8] x [8, 8]",
+                                          "measured_gflops": [190.0, 200.0]}
     text = report.markdown(results)
+    assert "| 0.50 | 50.0 (0.25) |" in text and "at 200.0 GFLOP/s (measured 190.0 and" in text
+    lines = report.console_lines(results)
+    assert max(map(len, lines)) <= 80 and "256 sparse-flat" in lines[1]
+    assert lines[1].split()[2:5] == ["0.01", "50.0", "0.25"]  # TTFT s, GFLOP/s, its share
     assert "Split: not measured" in text and "indexer share" not in text.split("|")[0]
     assert "= 0.900" in text and "each timed right after its own warm-up; ratios from" in text
     assert report.plot(results, tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"

@@ -121,3 +121,36 @@ def test_xla_backend_attends_in_query_row_chunks(monkeypatch, K):
     assert out.shape == ref.shape
     check(out, ref, jnp.float32)
     assert not np.asarray(out[5]).any()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32,
+                                   pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("tiles", [(4, 8, 3), (16, 16, 1), (5, 7, 2)])
+def test_blocks_form_equals_the_gather(dtype, tiles):
+    """The CPU's block-union form ("xla_blocks"): T and L off every tile, rows of one tile
+    spread over many blocks (several loop steps) or few, repeated indices, -1 anywhere, an
+    empty row; same outputs as the gathering reference."""
+    from pallas_kernels.sparse_attention_blocks import BlockTiles
+
+    T, L, K = 13, 61, 9
+    q, k, v = qkv(11, T, L, 6, 2, 24, 20, dtype)
+    idx = selector_indices(12, T, K, L, q_offset=L - T)
+    idx = idx.at[3].set(-1).at[7, :4].set(idx[7, 5]).at[9, ::2].set(-1)
+    ref = sparse_attention_reference(q, k, v, idx)
+    out = pallas_kernels.OPS["sparse_attention"].implementations["xla_blocks"].run(
+        q, k, v, idx, tiles=BlockTiles(*tiles))
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    check(out, ref, dtype)
+    assert not np.asarray(out[3], np.float32).any()
+
+
+def test_blocks_form_runs_by_name_and_counts_its_union():
+    from pallas_kernels.sparse_attention_blocks import BlockTiles, union_keys
+
+    assert pallas_kernels.resolve("sparse_attention") == "xla"  # CPU: measured, no win
+    assert pallas_kernels.resolve("sparse_attention", "xla_blocks") == "xla_blocks"
+    with pytest.raises(ValueError, match="BlockTiles.rows must be >= 1"):
+        BlockTiles(rows=0)
+    # Two rows selecting tokens 0 and 40 with blocks of 32: blocks 0 and 1 for both rows.
+    assert list(union_keys(np.array([[0, -1], [40, -1]]), 64, BlockTiles(2, 32, 1))) == [
+        64, 64]
