@@ -12,7 +12,8 @@ warm-up): pallas_kernels.sparse_attention's "xla" implementation (per-query gath
 blocks, pallas_kernels.sparse_attention_blocks), on random q / k / v of the model's
 shapes (the cost depends on the selection, not on the values; the outputs are checked
 equal). Beside them, in the same process, the f32 matmul rate of the model's own MLP
-shape ([queries, d_model] x [d_model, d_ff]). Printed: seconds, the selected work's rate
+shape ([prefill_chunk, d_model] x [d_model, d_ff], experiments.ttft.machine_rate). Printed:
+seconds, the selected work's rate
 (4 x heads x head_dim FLOP per selected (query, key) pair) and its share of the matmul
 rate, and the union's keys per query over top_k (the extra work blocks pay).
 
@@ -32,20 +33,13 @@ import numpy as np
 
 from experiments.common import default_out_dir
 from experiments.costmodel.cpu_rates import _best_seconds_interleaved
+from experiments.ttft.machine_rate import matmul_rate
 from pallas_kernels import sparse_attention
 from pallas_kernels.sparse_attention_blocks import BlockTiles, union_keys
 
 # Captured selections (30 layers x queries x top_k int32: 126 MB at 1024 queries), kept
 # apart from --out so that a results folder holds results only.
 SELECTIONS = default_out_dir("sparse_attention_cpu_selections")
-
-
-def matmul_rate(rows, d_in, d_out, repeats=5):
-    """FLOP/s of an f32 [rows, d_in] x [d_in, d_out] product, best of `repeats`."""
-    a = jnp.ones((rows, d_in), jnp.float32)
-    b = jnp.ones((d_in, d_out), jnp.float32)
-    (s,) = _best_seconds_interleaved([(jax.jit(jnp.dot), (a, b))], repeats)
-    return 2 * rows * d_in * d_out / s
 
 
 def parse_tiles(text):
@@ -125,7 +119,6 @@ def main(argv=None):
             t0 = time.perf_counter()
             saved = SELECTIONS / f"{length}_{indexer_name}.npy"
             if args.reuse and saved.exists():
-                from model import get_config  # noqa: F401  (the config comes with the model)
                 from model.pretrained import load_pretrained
 
                 sel = np.load(saved)
@@ -136,9 +129,10 @@ def main(argv=None):
                 np.save(saved, sel)
             print(f"{length} {indexer_name}: selections captured in "
                   f"{time.perf_counter() - t0:.0f} s", flush=True)
-            rate = matmul_rate(args.queries, config.d_model, config.d_ff)
-            print(f"  f32 matmul rate [{args.queries}, {config.d_model}] x "
-                  f"[{config.d_model}, {config.d_ff}]: {rate / 1e9:.1f} GFLOP/s", flush=True)
+            measured = matmul_rate(config)
+            rate = measured["gflops"] * 1e9
+            print(f"  f32 matmul rate {measured['shape']}: {measured['gflops']:.1f} GFLOP/s",
+                  flush=True)
             for layer in layers:
                 row = bench(sel[layer], config, length, tiles_list, args.repeats, rate)
                 row.update(length=length, indexer=indexer_name, layer=layer,
